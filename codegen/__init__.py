@@ -1,0 +1,1 @@
+"""Code generator: renders schema/canary.toml into the Python package and the C++ header."""

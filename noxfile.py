@@ -1,0 +1,105 @@
+"""Front door: nox sessions named as verbs. One project venv (.venv) serves every session."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+PY = VENV / "bin" / "python"
+STAMP = VENV / ".deps-stamp"
+# torch is installed pinned and first: the machine's local CPU wheel; an unpinned torch would pull CUDA wheels.
+TORCH = "torch==2.13.0"
+PROJECT_FILES = ("pyproject.toml",)
+
+nox.options.default_venv_backend = "none"  # nox is only the task runner; .venv holds everything
+nox.options.sessions = ["generate", "tests", "typecheck", "lint"]
+
+
+def _stamp() -> str:
+    digest = hashlib.sha256(TORCH.encode())
+    for name in PROJECT_FILES:
+        digest.update((ROOT / name).read_bytes())
+    return digest.hexdigest()
+
+
+def _ensure_venv(session: nox.Session) -> None:
+    """Create .venv once; reinstall only when the pinned dependencies change."""
+    want = _stamp()
+    if STAMP.exists() and STAMP.read_text() == want:
+        return
+    if not PY.exists():
+        session.run(sys.executable, "-m", "venv", str(VENV), external=True)
+    pip = (str(PY), "-m", "pip", "install", "-q", "--disable-pip-version-check")
+    session.run(*pip, TORCH, external=True)
+    session.run(*pip, "-e", f"{ROOT}[dev]", external=True)
+    STAMP.write_text(want)
+
+
+def _py(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
+    _ensure_venv(session)
+    session.run(str(PY), *args, external=True, env=env or {})
+
+
+@nox.session
+def venv(session: nox.Session) -> None:
+    """Create or refresh the project venv (-- --force reinstalls)."""
+    if "--force" in session.posargs and STAMP.exists():
+        STAMP.unlink()
+    _ensure_venv(session)
+
+
+@nox.session
+def generate(session: nox.Session) -> None:
+    """Render schema/canary.toml into generated/ (-- --check: fail on drift)."""
+    _py(session, "-m", "codegen", *session.posargs)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """CMake configure + build of csrc/ into build/lib (CUDA modules where nvcc is usable)."""
+    _py(session, "-m", "codegen", "--check")
+    session.run("cmake", "-S", str(ROOT), "-B", str(ROOT / "build" / "cmake"), "-G", "Ninja",
+                "-DCMAKE_BUILD_TYPE=Release", f"-DPython_EXECUTABLE={PY}", *session.posargs, external=True)
+    session.run("cmake", "--build", str(ROOT / "build" / "cmake"), external=True)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The CPU test suite (GPU tests are skipped without CUDA)."""
+    _py(session, "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session(default=False)
+def tests_gpu(session: nox.Session) -> None:
+    """GPU tests only (on a machine with CUDA; the GPU machine runs them as plain pytest -m gpu)."""
+    _py(session, "-m", "pytest", "-q", "-m", "gpu", *session.posargs)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over python/ and codegen/."""
+    _py(session, "-m", "mypy", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the hand-written code."""
+    _py(session, "-m", "ruff", "check", "python", "codegen", "tests", "noxfile.py", *session.posargs)
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """CPU benchmarks; tables land in bench/results/."""
+    _py(session, "-m", "bench.bench_cpu", *session.posargs, env={"PYTHONPATH": str(ROOT)})
+
+
+@nox.session(default=False)
+def demo(session: nox.Session) -> None:
+    """The main job: the reference engine with kvcanary, a clean run and a fault campaign."""
+    _py(session, "-m", "kvcanary", "demo", *session.posargs, env={"PYTHONUNBUFFERED": "1", **os.environ})

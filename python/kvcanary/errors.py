@@ -1,0 +1,15 @@
+"""Typed exceptions raised by kvcanary (never bare asserts)."""
+
+from __future__ import annotations
+
+
+class KVCanaryError(Exception):
+    """Base class of every kvcanary error."""
+
+
+class CanaryInputError(KVCanaryError, ValueError):
+    """An argument (dtype, device, shape, stride, alignment, range, capacity) is invalid; raised before any launch."""
+
+
+class BackendUnavailableError(KVCanaryError, RuntimeError):
+    """The requested backend (cpu / cuda native module) cannot be built or loaded here."""

@@ -1,0 +1,1 @@
+"""Canary operations: each module holds the torch reference next to its native wrapper."""
