@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from pathlib import Path
 
@@ -102,4 +101,4 @@ def bench(session: nox.Session) -> None:
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
     """The main job: the reference engine with kvcanary, a clean run and a fault campaign."""
-    _py(session, "-m", "kvcanary", "demo", *session.posargs, env={"PYTHONUNBUFFERED": "1", **os.environ})
+    _py(session, "-m", "kvcanary", "demo", *session.posargs, env={"PYTHONUNBUFFERED": "1"})
