@@ -1,0 +1,221 @@
+"""Radix prefix cache (token sequence -> slots) with LRU eviction, lock counts and a chain export."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class RadixNode:
+    """A run of tokens and their slots, below its parent's run."""
+
+    def __init__(self, parent: RadixNode | None, key: tuple[int, ...], value: torch.Tensor,
+                 start: int) -> None:
+        self.parent, self.key, self.value, self.start = parent, key, value, start
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+
+    @property
+    def end(self) -> int:
+        """Position after this node's last token."""
+        return self.start + len(self.key)
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """Slots of the longest cached page-aligned prefix and the deepest node reached."""
+
+    slots: torch.Tensor
+    node: RadixNode
+
+    @property
+    def length(self) -> int:
+        """Matched tokens."""
+        return int(self.slots.numel())
+
+
+@dataclass(frozen=True)
+class CachedChains:
+    """Flat export of every cached node for a sweep (one chain per node)."""
+
+    slots: torch.Tensor
+    chain_starts: torch.Tensor
+    chain_lens: torch.Tensor
+    first_positions: torch.Tensor
+    prev_slots: torch.Tensor
+    unlocked: torch.Tensor
+
+    @property
+    def num_chains(self) -> int:
+        """Number of chains (nodes)."""
+        return int(self.chain_lens.numel())
+
+
+class RadixCache:
+    """Page-aligned radix tree; locked nodes are never evicted; `on_evict` receives evicted slots."""
+
+    def __init__(self, page_size: int = 1, on_evict: Callable[[torch.Tensor], None] | None = None
+                 ) -> None:
+        if page_size < 1:
+            raise ConfigError("page_size must be >= 1")
+        self.page_size = page_size
+        self.root = RadixNode(None, (), _EMPTY, 0)
+        self.root.lock_ref = 1
+        self._on_evict = on_evict
+        self._clock = itertools.count(1)
+
+    def _child_key(self, key: tuple[int, ...]) -> tuple[int, ...]:
+        return key[:self.page_size]
+
+    def _common(self, a: tuple[int, ...], b: tuple[int, ...]) -> int:
+        """Page-aligned common prefix length."""
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n - n % self.page_size
+
+    def _split(self, node: RadixNode, at: int) -> RadixNode:
+        """Split node so that its first `at` tokens become a new parent; return that parent."""
+        parent = node.parent
+        if parent is None:
+            raise ConfigError("cannot split the root")
+        head = RadixNode(parent, node.key[:at], node.value[:at], node.start)
+        head.lock_ref, head.last_access = node.lock_ref, node.last_access
+        parent.children[self._child_key(head.key)] = head
+        node.parent, node.key, node.value, node.start = head, node.key[at:], node.value[at:], node.start + at
+        head.children[self._child_key(node.key)] = node
+        return head
+
+    def match(self, tokens: list[int] | tuple[int, ...]) -> MatchResult:
+        """Longest cached page-aligned prefix of tokens; touches the nodes on the path (LRU)."""
+        key = tuple(tokens[:len(tokens) - len(tokens) % self.page_size])
+        node, parts, stamp = self.root, [], next(self._clock)
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            n = self._common(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n) if n else node
+                if child is node:
+                    break
+            child.last_access = stamp
+            parts.append(child.value)
+            node, key = child, key[n:]
+        return MatchResult(torch.cat(parts) if parts else _EMPTY, node)
+
+    def insert(self, tokens: list[int] | tuple[int, ...], slots: torch.Tensor) -> tuple[int, RadixNode]:
+        """Insert a page-aligned key; return (tokens already cached, deepest node of the key)."""
+        if len(tokens) % self.page_size or len(tokens) != slots.numel():
+            raise ConfigError("insert needs a page-aligned key with one slot per token")
+        key, node, pos, stamp = tuple(tokens), self.root, 0, next(self._clock)
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                new = RadixNode(node, key, slots[pos:].clone(), pos)
+                new.last_access = stamp
+                node.children[self._child_key(key)] = new
+                return pos, new
+            n = self._common(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = stamp
+            node, key, pos = child, key[n:], pos + n
+        return pos, node
+
+    def lock(self, node: RadixNode) -> None:
+        """Protect node and its ancestors from eviction."""
+        cur: RadixNode | None = node
+        while cur is not None and cur is not self.root:
+            cur.lock_ref += 1
+            cur = cur.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        """Undo one lock()."""
+        cur: RadixNode | None = node
+        while cur is not None and cur is not self.root:
+            if cur.lock_ref <= 0:
+                raise ConfigError("unlock of an unlocked radix node")
+            cur.lock_ref -= 1
+            cur = cur.parent
+
+    def nodes(self) -> Iterator[RadixNode]:
+        """All nodes except the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def path(self, node: RadixNode) -> tuple[tuple[int, ...], torch.Tensor]:
+        """Full key and slots from the root down to node."""
+        keys, vals = [], []
+        cur: RadixNode | None = node
+        while cur is not None and cur is not self.root:
+            keys.append(cur.key)
+            vals.append(cur.value)
+            cur = cur.parent
+        key = tuple(t for k in reversed(keys) for t in k)
+        return key, torch.cat(list(reversed(vals))) if vals else _EMPTY
+
+    def evictable_slots(self) -> int:
+        """Slots held by unlocked nodes."""
+        return sum(int(n.value.numel()) for n in self.nodes() if n.lock_ref == 0)
+
+    def total_slots(self) -> int:
+        """Slots held by the whole tree."""
+        return sum(int(n.value.numel()) for n in self.nodes())
+
+    def evict(self, num_slots: int) -> int:
+        """Evict least recently used unlocked leaves until `num_slots` slots were freed."""
+        heap = [(n.last_access, id(n), n) for n in self.nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_slots:
+            _, _, node = heapq.heappop(heap)
+            freed += self._remove_leaf(node)
+            parent = node.parent
+            if parent is not None and parent is not self.root and not parent.children \
+                    and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _remove_leaf(self, node: RadixNode) -> int:
+        parent = node.parent
+        if parent is None:
+            raise ConfigError("cannot evict the root")
+        del parent.children[self._child_key(node.key)]
+        if self._on_evict is not None:
+            self._on_evict(node.value)
+        return int(node.value.numel())
+
+    def reset(self) -> None:
+        """Drop every unlocked node (flush); locked paths stay."""
+        self.evict(self.total_slots())
+
+    def export_chains(self, device: torch.device | str = "cpu") -> CachedChains:
+        """Vectorized export: node slots concatenated, with start, length, first position, prev slot."""
+        nodes = list(self.nodes())
+        lens = torch.tensor([n.value.numel() for n in nodes], dtype=torch.int64)
+        starts = torch.cumsum(lens, 0) - lens
+        prev = [int(n.parent.value[-1]) if n.parent is not None and n.parent is not self.root
+                else -1 for n in nodes]
+        chains = CachedChains(
+            slots=torch.cat([n.value for n in nodes]) if nodes else _EMPTY, chain_starts=starts,
+            chain_lens=lens, first_positions=torch.tensor([n.start for n in nodes], dtype=torch.int64),
+            prev_slots=torch.tensor(prev, dtype=torch.int64),
+            unlocked=torch.tensor([n.lock_ref == 0 for n in nodes], dtype=torch.bool))
+        return CachedChains(*(t.to(device) for t in (
+            chains.slots, chains.chain_starts, chains.chain_lens, chains.first_positions,
+            chains.prev_slots, chains.unlocked)))
