@@ -1,0 +1,148 @@
+// CPU entry points of the plan ops (docs/ops-contract.md 2-3). Native signatures (identical in csrc/cuda/plan.cu):
+//   plan_forward(plan, status, req_pool_indices, prefix_lens, extend_lens, req_to_token,
+//                expect_prefix, has_expect_prefix, expect_new, has_expect_new, num_tokens, window, padding_row)
+//     (all scalars and has_* flags int64)
+//     plan int64 [cap, NUM_PLAN_COLS], status int64 [NUM_PLAN_STATUS_COLS] (overwritten), req_pool_indices /
+//     prefix_lens / extend_lens int64 [bs] (cap >= bs), req_to_token int32|int64 [R, L], expect_* int64 [bs] or a
+//     0-element int64 tensor with has_* = 0; num_tokens >= 0, window >= 0, padding_row >= -1 (int64 scalars).
+//   plan_sweep(plan, status, slots, starts, lens, first_positions, prev_slots, expect_end, has_expect_end)
+//     slots int64 [N]; starts / lens / first_positions / prev_slots int64 [n] (cap >= n); expect_end int64 [n] or
+//     a 0-element int64 tensor with has_expect_end = 0.
+#include <tvm/ffi/function.h>
+
+#include "core/plan.cuh"
+#include "core/tensor_checks.h"
+
+namespace kvcanary {
+
+namespace {
+
+void check_plan_out(const TensorView& plan, const TensorView& status, const TensorView& ref, const char* ref_name,
+                    int64_t needed) {
+  check_i64_tensor(plan, ref, 2, "plan", ref_name);
+  check_dim(plan, 1, kNumPlanCols, "plan");
+  check_i64_tensor(status, ref, 1, "status", ref_name);
+  check_dim(status, 0, kNumPlanStatusCols, "status");
+  TVM_FFI_CHECK(plan.size(0) >= needed, ValueError)
+      << "plan has " << plan.size(0) << " rows, needs at least " << needed;
+}
+
+void check_optional(const TensorView& t, int64_t present, const TensorView& ref, int64_t n, const char* name,
+                    const char* ref_name) {
+  check_i64_tensor(t, ref, 1, name, ref_name);
+  if (present) {
+    check_dim(t, 0, n, name);
+  } else {
+    TVM_FFI_CHECK(t.size(0) == 0, ValueError) << name << " must be empty when absent";
+  }
+}
+
+void set_status(int64_t* st, int64_t segments, int64_t verify_entries, int64_t write_entries, int64_t errors,
+                int64_t overflow) {
+  st[col(PlanStatusCol::NUM_SEGMENTS)] = segments;
+  st[col(PlanStatusCol::VERIFY_ENTRIES)] = verify_entries;
+  st[col(PlanStatusCol::WRITE_ENTRIES)] = write_entries;
+  st[col(PlanStatusCol::INPUT_ERRORS)] = errors;
+  st[col(PlanStatusCol::OVERFLOW)] = overflow;
+}
+
+}  // namespace
+
+void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indices, TensorView prefix_lens,
+                  TensorView extend_lens, TensorView req_to_token, TensorView expect_prefix, int64_t has_expect_prefix,
+                  TensorView expect_new, int64_t has_expect_new, int64_t num_tokens, int64_t window,
+                  int64_t padding_row) {
+  check_i64_tensor(req_pool_indices, req_pool_indices, 1, "req_pool_indices", "req_pool_indices");
+  check_device_type(req_pool_indices, kDLCPU, "req_pool_indices");
+  const int64_t bs = req_pool_indices.size(0);
+  check_i64_tensor(prefix_lens, req_pool_indices, 1, "prefix_lens", "req_pool_indices");
+  check_dim(prefix_lens, 0, bs, "prefix_lens");
+  check_i64_tensor(extend_lens, req_pool_indices, 1, "extend_lens", "req_pool_indices");
+  check_dim(extend_lens, 0, bs, "extend_lens");
+  check_index_dtype(req_to_token, "req_to_token");
+  check_ndim(req_to_token, 2, "req_to_token");
+  check_contiguous(req_to_token, "req_to_token");
+  check_same_device(req_to_token, req_pool_indices, "req_to_token", "req_pool_indices");
+  check_plan_out(plan, status, req_pool_indices, "req_pool_indices", bs);
+  check_optional(expect_prefix, has_expect_prefix, req_pool_indices, bs, "expect_prefix", "req_pool_indices");
+  check_optional(expect_new, has_expect_new, req_pool_indices, bs, "expect_new", "req_pool_indices");
+  TVM_FFI_CHECK(num_tokens >= 0, ValueError) << "num_tokens must be >= 0, got " << num_tokens;
+  TVM_FFI_CHECK(window >= 0, ValueError) << "window must be >= 0, got " << window;
+  TVM_FFI_CHECK(padding_row >= -1, ValueError) << "padding_row must be >= -1, got " << padding_row;
+
+  const auto* rpi = static_cast<const int64_t*>(req_pool_indices.data_ptr());
+  const auto* pre = static_cast<const int64_t*>(prefix_lens.data_ptr());
+  const auto* ext = static_cast<const int64_t*>(extend_lens.data_ptr());
+  const auto* ep = static_cast<const int64_t*>(expect_prefix.data_ptr());
+  const auto* en = static_cast<const int64_t*>(expect_new.data_ptr());
+  const SlotTable table{req_to_token.data_ptr(), is_i32(req_to_token), req_to_token.size(0), req_to_token.size(1)};
+  auto* out = static_cast<int64_t*>(plan.data_ptr());
+
+  int64_t tok = 0, segments = 0, verify_entries = 0, write_entries = 0, errors = 0, overflow = 0;
+  for (int64_t i = 0; i < bs; ++i) {
+    const int64_t wb = tok;
+    tok = plan_token_cap(tok + plan_token_term(ext[i], num_tokens), num_tokens);
+    switch (plan_forward_classify(rpi[i], pre[i], ext[i], wb, table.rows, table.cols, num_tokens, padding_row)) {
+      case PlanOutcome::kPadding:
+        break;
+      case PlanOutcome::kInputError:
+        ++errors;
+        break;
+      case PlanOutcome::kOverflow:
+        ++errors;
+        overflow = 1;
+        break;
+      case PlanOutcome::kSegment:
+        plan_forward_fill(out + segments * kNumPlanCols, i, rpi[i], pre[i], ext[i], wb, window, verify_entries, table,
+                          has_expect_prefix != 0, has_expect_prefix ? ep[i] : 0, has_expect_new != 0,
+                          has_expect_new ? en[i] : 0);
+        verify_entries += pre[i] - plan_forward_verify_begin(pre[i], window);
+        write_entries += ext[i];
+        ++segments;
+        break;
+    }
+  }
+  set_status(static_cast<int64_t*>(status.data_ptr()), segments, verify_entries, write_entries, errors, overflow);
+}
+
+void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView starts, TensorView lens,
+                TensorView first_positions, TensorView prev_slots, TensorView expect_end, int64_t has_expect_end) {
+  check_i64_tensor(slots, slots, 1, "slots", "slots");
+  check_device_type(slots, kDLCPU, "slots");
+  check_i64_tensor(starts, slots, 1, "starts", "slots");
+  const int64_t n = starts.size(0);
+  check_i64_tensor(lens, slots, 1, "lens", "slots");
+  check_dim(lens, 0, n, "lens");
+  check_i64_tensor(first_positions, slots, 1, "first_positions", "slots");
+  check_dim(first_positions, 0, n, "first_positions");
+  check_i64_tensor(prev_slots, slots, 1, "prev_slots", "slots");
+  check_dim(prev_slots, 0, n, "prev_slots");
+  check_optional(expect_end, has_expect_end, slots, n, "expect_end", "slots");
+  check_plan_out(plan, status, slots, "slots", n);
+
+  const auto* st = static_cast<const int64_t*>(starts.data_ptr());
+  const auto* ln = static_cast<const int64_t*>(lens.data_ptr());
+  const auto* fp = static_cast<const int64_t*>(first_positions.data_ptr());
+  const auto* pv = static_cast<const int64_t*>(prev_slots.data_ptr());
+  const auto* ee = static_cast<const int64_t*>(expect_end.data_ptr());
+  auto* out = static_cast<int64_t*>(plan.data_ptr());
+  const int64_t num_slots = slots.size(0);
+
+  int64_t segments = 0, verify_entries = 0, errors = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    if (!plan_sweep_valid(st[c], ln[c], fp[c], num_slots)) {
+      ++errors;
+      continue;
+    }
+    plan_sweep_fill(out + segments * kNumPlanCols, c, st[c], ln[c], fp[c], pv[c], verify_entries, has_expect_end != 0,
+                    has_expect_end ? ee[c] : 0);
+    verify_entries += ln[c];
+    ++segments;
+  }
+  set_status(static_cast<int64_t*>(status.data_ptr()), segments, verify_entries, 0, errors, 0);
+}
+
+}  // namespace kvcanary
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_forward, kvcanary::plan_forward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_sweep, kvcanary::plan_sweep);

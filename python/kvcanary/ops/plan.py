@@ -1,0 +1,194 @@
+"""Plan ops (docs/ops-contract.md 2-3): per-request / per-chain verify and write segments, torch reference + native."""
+
+from __future__ import annotations
+
+import torch
+from kvcanary_schema import NO_SLOT, NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, PlanCol, PlanFlag, PlanStatusCol
+
+from kvcanary import _native
+from kvcanary.errors import CanaryInputError
+from kvcanary.ops.types import check_backend, check_tensor
+
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+
+
+def empty_i64(device: torch.device) -> torch.Tensor:
+    """The cached 0-element int64 tensor passed for an absent optional tensor (one per device)."""
+    t = _EMPTY.get(device)
+    if t is None:
+        t = _EMPTY[device] = torch.empty(0, dtype=torch.int64, device=device)
+    return t
+
+
+def check_plan_buffers(plan: object, status: object, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate the plan [cap, NUM_PLAN_COLS] and status [NUM_PLAN_STATUS_COLS] buffers (int64, contiguous)."""
+    p = check_tensor(plan, "plan", ndim=2, device=device, shape=(None, NUM_PLAN_COLS))
+    s = check_tensor(status, "status", ndim=1, device=device, shape=(NUM_PLAN_STATUS_COLS,))
+    return p, s
+
+
+def _check_scalar(v: object, name: str, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise CanaryInputError(f"{name} must be an int, got {type(v).__name__}")
+    if v < lo:
+        raise CanaryInputError(f"{name} must be >= {lo}, got {v}")
+    return v
+
+
+def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                 extend_lens: torch.Tensor, req_to_token: torch.Tensor, num_tokens: int, *, window: int = 0,
+                 padding_row: int = -1, expect_prefix: torch.Tensor | None = None,
+                 expect_new: torch.Tensor | None = None, backend: str = "torch") -> None:
+    """Plan one forward's segments into ``plan`` and overwrite ``status`` (docs/ops-contract.md 2).
+
+    ``req_pool_indices``, ``prefix_lens``, ``extend_lens`` (and the optional ``expect_prefix`` / ``expect_new``
+    chain values) are int64 ``[bs]``; ``req_to_token`` is the int32/int64 slot table ``[R, L]``; ``plan`` needs
+    ``cap >= bs`` rows. Bad values inside the tensors are counted in ``status`` (never raised).
+    """
+    device = req_pool_indices.device if isinstance(req_pool_indices, torch.Tensor) else torch.device("cpu")
+    rpi = check_tensor(req_pool_indices, "req_pool_indices", ndim=1)
+    bs = rpi.shape[0]
+    pre = check_tensor(prefix_lens, "prefix_lens", ndim=1, device=device, shape=(bs,))
+    ext = check_tensor(extend_lens, "extend_lens", ndim=1, device=device, shape=(bs,))
+    table = check_tensor(req_to_token, "req_to_token", dtype=(torch.int32, torch.int64), ndim=2, device=device)
+    p, s = check_plan_buffers(plan, status, device)
+    if p.shape[0] < bs:
+        raise CanaryInputError(f"plan has {p.shape[0]} rows, batch has {bs} requests")
+    ep = None if expect_prefix is None else check_tensor(expect_prefix, "expect_prefix", ndim=1, device=device,
+                                                         shape=(bs,))
+    en = None if expect_new is None else check_tensor(expect_new, "expect_new", ndim=1, device=device, shape=(bs,))
+    num_tokens = _check_scalar(num_tokens, "num_tokens", 0)
+    window = _check_scalar(window, "window", 0)
+    padding_row = _check_scalar(padding_row, "padding_row", -1)
+    b = check_backend(backend, device)
+    if b == "torch":
+        _plan_forward_torch(p, s, rpi, pre, ext, table, num_tokens, window, padding_row, ep, en)
+        return
+    e = empty_i64(device)
+    _native.module(b).plan_forward(p, s, rpi, pre, ext, table, e if ep is None else ep, int(ep is not None),
+                                   e if en is None else en, int(en is not None), num_tokens, window, padding_row)
+
+
+def plan_sweep(plan: torch.Tensor, status: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+               lens: torch.Tensor, first_positions: torch.Tensor, prev_slots: torch.Tensor, *,
+               expect_end: torch.Tensor | None = None, backend: str = "torch") -> None:
+    """Plan a prefix-cache sweep: one segment per chain over the flat ``slots`` (docs/ops-contract.md 3).
+
+    ``slots`` is int64 ``[N]`` (verify it with ``table = slots.view(1, N)``); ``starts``, ``lens``,
+    ``first_positions``, ``prev_slots`` and the optional ``expect_end`` are int64 ``[n]``; ``plan`` needs
+    ``cap >= n`` rows.
+    """
+    device = slots.device if isinstance(slots, torch.Tensor) else torch.device("cpu")
+    sl = check_tensor(slots, "slots", ndim=1)
+    st = check_tensor(starts, "starts", ndim=1, device=device)
+    n = st.shape[0]
+    ln = check_tensor(lens, "lens", ndim=1, device=device, shape=(n,))
+    fp = check_tensor(first_positions, "first_positions", ndim=1, device=device, shape=(n,))
+    pv = check_tensor(prev_slots, "prev_slots", ndim=1, device=device, shape=(n,))
+    ee = None if expect_end is None else check_tensor(expect_end, "expect_end", ndim=1, device=device, shape=(n,))
+    p, s = check_plan_buffers(plan, status, device)
+    if p.shape[0] < n:
+        raise CanaryInputError(f"plan has {p.shape[0]} rows, sweep has {n} chains")
+    b = check_backend(backend, device)
+    if b == "torch":
+        _plan_sweep_torch(p, s, sl.shape[0], st, ln, fp, pv, ee)
+        return
+    _native.module(b).plan_sweep(p, s, sl, st, ln, fp, pv, empty_i64(device) if ee is None else ee,
+                                 int(ee is not None))
+
+
+# ---- torch reference -------------------------------------------------------------------------------------------
+
+def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def _write_segments(plan: torch.Tensor, status: torch.Tensor, ok: torch.Tensor, rows: torch.Tensor,
+                    write_len: torch.Tensor, input_errors: torch.Tensor, overflow: torch.Tensor) -> None:
+    """Compact the ok rows (in order) to the top of ``plan`` and fill ``status``; no host sync."""
+    vlen = rows[:, PlanCol.IDX_END] - rows[:, PlanCol.IDX_BEGIN]
+    vlen = torch.where(ok, vlen, torch.zeros_like(vlen))
+    rows[:, PlanCol.ENTRY_OFFSET] = _excl_cumsum(vlen)
+    cap = plan.shape[0]
+    # Rows that are not segments land in a spare row past the capacity (rows >= NUM_SEGMENTS are unspecified).
+    dest = torch.where(ok, _excl_cumsum(ok.to(torch.int64)), torch.full_like(vlen, cap))
+    staged = torch.zeros(cap + 1, NUM_PLAN_COLS, dtype=torch.int64, device=plan.device)
+    staged[:cap] = plan
+    staged.index_copy_(0, dest, rows)
+    plan.copy_(staged[:cap])
+    status[PlanStatusCol.NUM_SEGMENTS] = ok.sum()
+    status[PlanStatusCol.VERIFY_ENTRIES] = vlen.sum()
+    status[PlanStatusCol.WRITE_ENTRIES] = torch.where(ok, write_len, torch.zeros_like(write_len)).sum()
+    status[PlanStatusCol.INPUT_ERRORS] = input_errors
+    status[PlanStatusCol.OVERFLOW] = overflow
+
+
+def _flag(mask: torch.Tensor, bit: PlanFlag) -> torch.Tensor:
+    return mask.to(torch.int64) * int(bit)
+
+
+def _plan_forward_torch(plan: torch.Tensor, status: torch.Tensor, rpi: torch.Tensor, pre: torch.Tensor,
+                        ext: torch.Tensor, table: torch.Tensor, num_tokens: int, window: int, padding_row: int,
+                        expect_prefix: torch.Tensor | None, expect_new: torch.Tensor | None) -> None:
+    num_rows, row_len = table.shape
+    cap_tok = num_tokens + 1
+    # Running offset capped at num_tokens + 1 (csrc/core/plan.cuh, plan_token_term): no wrap, same outcomes.
+    wb = torch.clamp(_excl_cumsum(torch.clamp(ext, 0, cap_tok)), max=cap_tok)
+    pad = (rpi == padding_row) if padding_row >= 0 else torch.zeros_like(rpi, dtype=torch.bool)
+    valid = (~pad & (rpi >= 0) & (rpi < num_rows) & (pre >= 0) & (ext >= 0) & (pre <= row_len)
+             & (ext <= row_len - pre))
+    over = valid & (ext > num_tokens - wb)
+    ok = valid & ~over
+    vb = torch.clamp(pre - window, min=0) if window > 0 else torch.zeros_like(pre)
+    vb = torch.where(ok, vb, torch.zeros_like(vb))
+    pre_ok = torch.where(ok, pre, torch.zeros_like(pre))
+    row_ok = torch.where(ok, rpi, torch.zeros_like(rpi))
+    flat = table.reshape(-1).to(torch.int64)
+
+    def at(idx: torch.Tensor) -> torch.Tensor:  # table[row, idx] where idx >= 0, else NO_SLOT
+        k = row_ok * row_len + torch.clamp(idx, min=0)
+        got = flat[torch.clamp(k, 0, max(flat.numel() - 1, 0))] if flat.numel() else torch.zeros_like(k)
+        return torch.where(idx >= 0, got, torch.full_like(got, NO_SLOT))
+
+    rows = torch.zeros(rpi.shape[0], NUM_PLAN_COLS, dtype=torch.int64, device=rpi.device)
+    rows[:, PlanCol.BATCH_INDEX] = torch.arange(rpi.shape[0], device=rpi.device)
+    rows[:, PlanCol.ROW] = rpi
+    rows[:, PlanCol.IDX_BEGIN] = vb
+    rows[:, PlanCol.IDX_END] = pre_ok
+    rows[:, PlanCol.FIRST_PREV_SLOT] = at(vb - 1)
+    rows[:, PlanCol.WRITE_BEGIN] = wb
+    rows[:, PlanCol.WRITE_LEN] = ext
+    rows[:, PlanCol.SEED_SLOT] = at(pre_ok - 1)
+    rows[:, PlanCol.PREFIX_LEN] = pre
+    flags = _flag(vb == 0, PlanFlag.FIRST_IS_HEAD) | _flag(pre == 0, PlanFlag.SEED_IS_HEAD)
+    if expect_prefix is not None:
+        rows[:, PlanCol.EXPECT_PREFIX] = expect_prefix
+        flags |= int(PlanFlag.EXPECT_PREFIX)
+    if expect_new is not None:
+        rows[:, PlanCol.EXPECT_NEW] = expect_new
+        flags |= int(PlanFlag.EXPECT_NEW)
+    rows[:, PlanCol.FLAGS] = flags
+    errors = (~pad & ~valid).sum() + over.sum()
+    _write_segments(plan, status, ok, rows, ext, errors, over.any().to(torch.int64))
+
+
+def _plan_sweep_torch(plan: torch.Tensor, status: torch.Tensor, n_slots: int, starts: torch.Tensor,
+                      lens: torch.Tensor, first_positions: torch.Tensor, prev_slots: torch.Tensor,
+                      expect_end: torch.Tensor | None) -> None:
+    ok = ((starts >= 0) & (lens >= 0) & (starts <= n_slots) & (lens <= n_slots - starts) & (first_positions >= 0))
+    n = starts.shape[0]
+    rows = torch.zeros(n, NUM_PLAN_COLS, dtype=torch.int64, device=starts.device)
+    rows[:, PlanCol.BATCH_INDEX] = torch.arange(n, device=starts.device)
+    rows[:, PlanCol.IDX_BEGIN] = starts
+    rows[:, PlanCol.IDX_END] = torch.where(ok, starts + lens, starts)
+    rows[:, PlanCol.POS_SHIFT] = first_positions - starts
+    rows[:, PlanCol.FIRST_PREV_SLOT] = prev_slots
+    rows[:, PlanCol.SEED_SLOT] = NO_SLOT
+    rows[:, PlanCol.PREFIX_LEN] = first_positions + lens
+    flags = _flag(prev_slots == NO_SLOT, PlanFlag.FIRST_IS_HEAD)
+    if expect_end is not None:
+        rows[:, PlanCol.EXPECT_PREFIX] = expect_end
+        flags |= int(PlanFlag.EXPECT_PREFIX)
+    rows[:, PlanCol.FLAGS] = flags
+    zero = torch.zeros((), dtype=torch.int64, device=starts.device)
+    _write_segments(plan, status, ok, rows, torch.zeros_like(lens), (~ok).sum(), zero)

@@ -1,0 +1,272 @@
+"""Verify op (docs/ops-contract.md 4): check the records of planned prefix entries, torch reference + native."""
+
+from __future__ import annotations
+
+import torch
+from kvcanary_schema import (
+    NUM_LAUNCH_TAGS,
+    NUM_VIOLATION_COLS,
+    PARTIAL_READ_BYTES,
+    SKIP_TOKEN,
+    CounterCol,
+    FailReason,
+    FingerprintMode,
+    FpSourceCol,
+    PlanCol,
+    PlanFlag,
+    PlanStatusCol,
+    RecordField,
+    Stage,
+    ViolationCol,
+)
+
+from kvcanary import _native
+from kvcanary.errors import CanaryInputError
+from kvcanary.ops import hashes as H
+from kvcanary.ops.plan import check_plan_buffers, empty_i64
+from kvcanary.ops.types import (
+    Fingerprint,
+    FingerprintSources,
+    GroupView,
+    Sink,
+    TokenPool,
+    check_backend,
+    check_tensor,
+)
+
+# Slot resolution outcomes (csrc/core/resolve.cuh SlotStatus).
+_OK, _INPUT_ERROR, _EVICTED, _RESERVED = 0, 1, 2, 3
+
+
+def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
+           sink: Sink, *, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
+           backend: str = "torch") -> None:
+    """Verify every planned prefix entry of one stage and group, both halves, into ``sink``.
+
+    ``table`` is the int32/int64 slot table ``[R, L]`` the plan was made from (a sweep's flat slots viewed as
+    ``[1, N]``). HEAD stages take no fingerprint. Bad values inside tensors are counted as INPUT_ERROR rows.
+    """
+    if not isinstance(group, GroupView):
+        raise CanaryInputError(f"group must be a GroupView, got {type(group).__name__}")
+    if not isinstance(stage, Stage):
+        raise CanaryInputError(f"stage must be a Stage, got {stage!r}")
+    device = group.records.device
+    p, s = check_plan_buffers(plan, status, device)
+    tbl = check_tensor(table, "table", dtype=(torch.int32, torch.int64), ndim=2, device=device)
+    if not isinstance(sink, Sink):
+        raise CanaryInputError(f"sink must be a Sink, got {type(sink).__name__}")
+    sink.validate(device)
+    if token_pool is not None:
+        if not isinstance(token_pool, TokenPool):
+            raise CanaryInputError(f"token_pool must be a TokenPool, got {type(token_pool).__name__}")
+        check_tensor(token_pool.tokens, "token pool", ndim=2, device=device)
+    if fingerprint is not None:
+        if not isinstance(fingerprint, Fingerprint):
+            raise CanaryInputError(f"fingerprint must be a Fingerprint, got {type(fingerprint).__name__}")
+        if stage == Stage.HEAD:
+            raise CanaryInputError("fingerprint: HEAD stages never fingerprint (the new KV is not written yet)")
+        src = fingerprint.sources
+        if src.device != device:
+            raise CanaryInputError(f"fingerprint sources on {src.device}, records on {device}")
+        if len(src.halves) != group.halves:
+            raise CanaryInputError(f"fingerprint sources have {len(src.halves)} halves, records {group.halves}")
+        if src.num_slots < group.num_slots:
+            raise CanaryInputError(f"fingerprint sources cover {src.num_slots} slots, the group has "
+                                   f"{group.num_slots}")
+    tags = group.tags(stage)
+    b = check_backend(backend, device)
+    if b == "torch":
+        _verify_torch(group, tags, p, s, tbl, sink, token_pool, fingerprint)
+        return
+    e = empty_i64(device)
+    _native.module(b).verify(
+        group.records, e if group.swa_map is None else group.swa_map, int(group.swa_map is not None),
+        group.reserved_slots, tags[0], tags[1] if len(tags) > 1 else -1,
+        p, s, tbl, sink.rows, sink.count, sink.counters, sink.step,
+        e if token_pool is None else token_pool.tokens, e if token_pool is None else token_pool.lens,
+        int(token_pool is not None), 0 if token_pool is None else token_pool.offset,
+        e if fingerprint is None else fingerprint.sources.table,
+        int(FingerprintMode.NONE) if fingerprint is None else int(fingerprint.mode),
+        1 if fingerprint is None else fingerprint.layer_stride)
+
+
+# ---- torch reference -------------------------------------------------------------------------------------------
+
+def resolve_slots(group: GroupView, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(outcome, slot) per table-space slot (csrc/core/resolve.cuh): slot is the group slot, or the bad value."""
+    n = group.num_slots
+    if group.swa_map is None:
+        bad = (t < 0) | (t >= n)
+        slot = t
+        evicted = torch.zeros_like(bad)
+    else:
+        m = group.swa_map.shape[0]
+        out_of_map = (t < 0) | (t >= m)
+        g = group.swa_map[torch.clamp(t, 0, m - 1)] if m else torch.full_like(t, -1)
+        slot = torch.where(out_of_map, t, g)
+        evicted = ~out_of_map & (g < 0)
+        bad = out_of_map | (~evicted & (g >= n))
+    reserved = ~bad & ~evicted & (slot < group.reserved_slots)
+    outcome = torch.full_like(t, _OK)
+    outcome = torch.where(bad, _INPUT_ERROR, torch.where(evicted, _EVICTED, torch.where(reserved, _RESERVED, outcome)))
+    return outcome, slot
+
+
+def record_link(rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(has_link, link) of records [E, RECORD_NUM_FIELDS]: prev_hash * CHAIN_BASE + g(token, position)."""
+    tok, pos = rec[:, RecordField.TOKEN], rec[:, RecordField.POSITION]
+    ok = H.chain_value_ok(tok) & H.chain_value_ok(pos)
+    return ok, H.chain_step(rec[:, RecordField.PREV_HASH], tok, pos)
+
+
+def fingerprint_torch(sources: FingerprintSources, half: int, slots: torch.Tensor, positions: torch.Tensor,
+                      mode: FingerprintMode, layer_stride: int) -> torch.Tensor:
+    """Fingerprint of group slots at positions for one half (docs/ops-contract.md 1), mode != NONE."""
+    acc = torch.zeros_like(slots)
+    meta = sources.table[half].tolist()
+    for j, rows in enumerate(sources.rows[half]):
+        page, bpt = meta[j][FpSourceCol.PAGE_SIZE], meta[j][FpSourceCol.BYTES_PER_TOKEN]
+        rb = PARTIAL_READ_BYTES if mode == FingerprintMode.PARTIAL else meta[j][FpSourceCol.READ_BYTES]
+        byte_idx = ((slots % page) * bpt).unsqueeze(1) + torch.arange(rb, device=slots.device)
+        words = rows[(slots // page).unsqueeze(1), byte_idx].contiguous().view(torch.int64)
+        terms = H.fp_word_term(words, j, torch.arange(rb // 8, device=slots.device)).sum(1)
+        selected = torch.remainder(positions + j, layer_stride) == 0
+        acc = acc + torch.where(selected, terms, torch.zeros_like(terms))
+    return H.fp_finalize(acc, positions)
+
+
+def _rows(n: int, device: torch.device) -> torch.Tensor:
+    r = torch.zeros(n, NUM_VIOLATION_COLS, dtype=torch.int64, device=device)
+    r[:, ViolationCol.EXPECTED_TOKEN] = SKIP_TOKEN
+    return r
+
+
+def _append(sink: Sink, rows: torch.Tensor) -> None:
+    """Append rows to the ring (exact count, first-capacity rows kept) and count VIOLATIONS per tag."""
+    n = rows.shape[0]
+    if n == 0:
+        return
+    rows[:, ViolationCol.STEP] = sink.step[0]
+    sink.counters[:, CounterCol.VIOLATIONS] += torch.bincount(rows[:, ViolationCol.TAG], minlength=NUM_LAUNCH_TAGS)
+    k0 = int(sink.count.item())
+    keep = max(0, min(n, sink.capacity - k0))
+    if keep:
+        sink.rows[k0:k0 + keep] = rows[:keep]
+    sink.count += n
+
+
+def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: torch.Tensor,
+                  table: torch.Tensor, sink: Sink, pool: TokenPool | None, fp: Fingerprint | None) -> None:
+    dev = group.records.device
+    num_rows, row_len = table.shape
+    for tag in tags:
+        sink.counters[tag, CounterCol.VERIFY_RUNS] += 1
+    nseg = int(torch.clamp(status[PlanStatusCol.NUM_SEGMENTS], 0, plan.shape[0]).item())
+    seg = plan[:nseg]
+    row, begin, end = seg[:, PlanCol.ROW], seg[:, PlanCol.IDX_BEGIN], seg[:, PlanCol.IDX_END]
+    seg_ok = (row >= 0) & (row < num_rows) & (begin >= 0) & (begin <= end) & (end <= row_len)
+    out: list[torch.Tensor] = []
+
+    bad = seg[~seg_ok]
+    for tag in tags:  # a bad segment: one INPUT_ERROR row per half (csrc/core/verify.cuh verify_emit_bad_segment)
+        r = _rows(bad.shape[0], dev)
+        r[:, ViolationCol.TAG] = tag
+        r[:, ViolationCol.REASONS] = int(FailReason.INPUT_ERROR)
+        r[:, ViolationCol.SLOT] = -1
+        r[:, ViolationCol.BATCH_INDEX] = bad[:, PlanCol.BATCH_INDEX]
+        r[:, ViolationCol.REQ_ROW] = bad[:, PlanCol.ROW]
+        out.append(r)
+        sink.counters[tag, CounterCol.INPUT_ERRORS] += bad.shape[0]
+
+    good = seg[seg_ok]
+    lens = good[:, PlanCol.IDX_END] - good[:, PlanCol.IDX_BEGIN]
+    sid = torch.repeat_interleave(torch.arange(good.shape[0], device=dev), lens)
+    total = sid.shape[0]
+    gs = good[sid]
+    idx = gs[:, PlanCol.IDX_BEGIN] + torch.arange(total, device=dev) - (torch.cumsum(lens, 0) - lens)[sid]
+    rowv = gs[:, PlanCol.ROW]
+    flat = table.reshape(-1).to(torch.int64)
+    t = flat[rowv * row_len + idx] if total else torch.zeros(0, dtype=torch.int64, device=dev)
+    pos = idx + gs[:, PlanCol.POS_SHIFT]
+    outcome, slot = resolve_slots(group, t)
+    first = idx == gs[:, PlanCol.IDX_BEGIN]
+    anchor = first & ((gs[:, PlanCol.FLAGS] & int(PlanFlag.FIRST_IS_HEAD)) != 0)
+    prev_t = flat[rowv * row_len + torch.clamp(idx - 1, min=0)] if total else t
+    pt = torch.where(first, gs[:, PlanCol.FIRST_PREV_SLOT], prev_t)
+    p_outcome, p_slot = resolve_slots(group, pt)
+    pred_ok = ~anchor & (p_outcome == _OK)
+    has_pred = anchor | pred_ok
+
+    err = outcome == _INPUT_ERROR
+    skipped = (outcome == _EVICTED) | (outcome == _RESERVED)
+    ok = outcome == _OK
+    for tag in tags:
+        r = _rows(int(err.sum()), dev)
+        r[:, ViolationCol.TAG] = tag
+        r[:, ViolationCol.REASONS] = int(FailReason.INPUT_ERROR)
+        r[:, ViolationCol.SLOT] = slot[err]
+        r[:, ViolationCol.POSITION] = pos[err]
+        r[:, ViolationCol.BATCH_INDEX] = gs[err][:, PlanCol.BATCH_INDEX]
+        r[:, ViolationCol.REQ_ROW] = rowv[err]
+        out.append(r)
+        sink.counters[tag, CounterCol.INPUT_ERRORS] += err.sum()
+        sink.counters[tag, CounterCol.SKIPPED] += skipped.sum()
+        sink.counters[tag, CounterCol.ENTRIES_CHECKED] += ok.sum()
+
+    # Checked entries only from here on.
+    s, p, g, i = slot[ok], pos[ok], gs[ok], idx[ok]
+    anc, hp = anchor[ok], has_pred[ok]
+    ps = torch.where(pred_ok[ok], p_slot[ok], torch.zeros_like(s))
+    flags = g[:, PlanCol.FLAGS]
+    boundary = ((flags & int(PlanFlag.EXPECT_PREFIX)) != 0) & (i == g[:, PlanCol.IDX_END] - 1)
+    if pool is not None:
+        q = p + pool.offset
+        prow = torch.clamp(g[:, PlanCol.ROW], max=pool.tokens.shape[0] - 1)
+        in_pool = (g[:, PlanCol.ROW] < pool.tokens.shape[0]) & (q >= 0) & (q < pool.tokens.shape[1])
+        in_pool &= q < pool.lens[prow] if prow.numel() else in_pool
+        qc = torch.clamp(q, 0, max(pool.tokens.shape[1] - 1, 0))
+        pool_tok = pool.tokens[prow, qc] if pool.tokens.numel() else torch.zeros_like(q)
+        expected_token = torch.where(in_pool, pool_tok, torch.full_like(q, SKIP_TOKEN))
+    for h, tag in enumerate(tags):
+        rec = group.records[s, h]
+        r_tok, r_pos = rec[:, RecordField.TOKEN], rec[:, RecordField.POSITION]
+        r_prev, r_fp = rec[:, RecordField.PREV_HASH], rec[:, RecordField.KV_FINGERPRINT]
+        pred_has_link, pred_link = record_link(group.records[ps, h])
+        chain_expected = torch.where(anc, torch.full_like(s, H.chain_h0()),
+                                     torch.where(pred_has_link, pred_link, torch.zeros_like(s)))
+        chain_bad = hp & (~(anc | pred_has_link) | (r_prev != chain_expected))
+        own_has_link, own_link = record_link(rec)
+        bnd_nolink = boundary & ~own_has_link
+        bnd_mismatch = boundary & own_has_link & (own_link != g[:, PlanCol.EXPECT_PREFIX])
+        reasons = (_bit(r_pos != p, FailReason.VERIFY_POSITION) | _bit(chain_bad | bnd_nolink, FailReason.VERIFY_CHAIN)
+                   | _bit(bnd_mismatch, FailReason.VERIFY_TOKEN))
+        exp_tok = torch.full_like(s, SKIP_TOKEN)
+        if pool is not None:
+            exp_tok = expected_token
+            reasons |= _bit(in_pool & (r_tok != exp_tok), FailReason.VERIFY_TOKEN)
+        exp_fp = torch.zeros_like(s)
+        if fp is not None:
+            exp_fp = fingerprint_torch(fp.sources, h, s, p, fp.mode, fp.layer_stride)
+            reasons |= _bit(r_fp != exp_fp, FailReason.VERIFY_FINGERPRINT)
+        hit = reasons != 0
+        r = _rows(int(hit.sum()), dev)
+        r[:, ViolationCol.TAG] = tag
+        r[:, ViolationCol.REASONS] = reasons[hit]
+        r[:, ViolationCol.SLOT] = s[hit]
+        r[:, ViolationCol.POSITION] = p[hit]
+        r[:, ViolationCol.STORED_POSITION] = r_pos[hit]
+        r[:, ViolationCol.BATCH_INDEX] = g[hit][:, PlanCol.BATCH_INDEX]
+        r[:, ViolationCol.REQ_ROW] = g[hit][:, PlanCol.ROW]
+        r[:, ViolationCol.STORED_TOKEN] = r_tok[hit]
+        r[:, ViolationCol.EXPECTED_TOKEN] = exp_tok[hit]
+        r[:, ViolationCol.STORED_HASH] = torch.where(bnd_mismatch & ~chain_bad, own_link, r_prev)[hit]
+        r[:, ViolationCol.EXPECTED_HASH] = torch.where(
+            chain_bad, chain_expected, torch.where(bnd_mismatch, g[:, PlanCol.EXPECT_PREFIX], torch.zeros_like(s)))[hit]
+        r[:, ViolationCol.STORED_FP] = r_fp[hit]
+        r[:, ViolationCol.EXPECTED_FP] = exp_fp[hit]
+        out.append(r)
+    _append(sink, torch.cat(out) if out else _rows(0, dev))
+
+
+def _bit(mask: torch.Tensor, reason: FailReason) -> torch.Tensor:
+    return mask.to(torch.int64) * int(reason)
