@@ -166,10 +166,11 @@ class Engine:
         raise EngineError("max_steps exceeded")
 
     def generate(self, requests: list[Request]) -> dict[str, list[int]]:
-        """Add requests and run them to completion."""
+        """Add requests, run everything to completion, return the outputs of these requests."""
         for r in requests:
             self.add_request(r)
-        return self.run_until_done()
+        done = self.run_until_done()
+        return {r.rid: done[r.rid] for r in requests}
 
     def retract(self, rid: str) -> None:
         """Free a running request's slots (keeping its computed prefix in the cache) and re-queue it."""
@@ -462,8 +463,24 @@ class Engine:
 
     def _run_prefill(self, plan: list[tuple[ReqState, int]], decodes: list[ReqState]) -> None:
         """One extend forward over the next chunk of every planned request (plus mixed decodes)."""
+        rows, ends = self._prefill_rows(plan + [(s, s.kv_len + 1) for s in decodes])
+        if not rows:
+            return
+        logits = self._forward(rows, ForwardMode.EXTEND, PoolKind.TARGET)
+        self.stats.chunks += 1
+        last, predicted = -1, []
+        for row, end in zip(rows, ends):
+            last += len(row.inputs)
+            predicted.append(int(torch.argmax(logits[last])))
+            self._end_chunk(_state(row), end, logits[last])
+        if self.spec:
+            self._draft_after_prefill(rows, predicted)
+        self._finish_done()
+
+    def _prefill_rows(self, plan: list[tuple[ReqState, int]]) -> tuple[list[_Row], list[int]]:
+        """Allocate each planned chunk (retracting a request that does not fit) and build its row."""
         rows, ends = [], []
-        for state, end in plan + [(s, s.kv_len + 1) for s in decodes]:
+        for state, end in plan:
             try:
                 self._grow(state, end)
             except PoolExhaustedError:
@@ -474,26 +491,16 @@ class Engine:
             start = state.kv_len
             rows.append(self._row(state, start, state.tokens[start:end], list(range(start, end))))
             ends.append(end)
-        if not rows:
-            return
-        logits = self._forward(rows, ForwardMode.EXTEND, PoolKind.TARGET)
-        self.stats.chunks += 1
-        last, predicted = -1, []
-        for row, end in zip(rows, ends):
-            state = row.state
-            if state is None:
-                continue
-            last += len(row.inputs)
-            predicted.append(int(torch.argmax(logits[last])))
-            state.kv_len = end
-            if end == len(state.tokens):
-                token = sample_token(logits[last], state.req.sampling, state.num_outputs)
-                state.tokens.append(token)
-                state.prefilled = True
-            self._release_window(state)
-        if self.spec:
-            self._draft_after_prefill(rows, predicted)
-        self._finish_done()
+        return rows, ends
+
+    def _end_chunk(self, state: ReqState, end: int, last_logits: torch.Tensor) -> None:
+        """Advance the KV length; after the final chunk sample the next token."""
+        state.kv_len = end
+        if end == len(state.tokens):
+            token = sample_token(last_logits, state.req.sampling, state.num_outputs)
+            state.tokens.append(token)
+            state.prefilled = True
+        self._release_window(state)
 
     def _run_decode(self, decodes: list[ReqState]) -> None:
         """One decode forward: every request feeds its last token."""
@@ -576,7 +583,7 @@ class Engine:
 
     def _accept(self, state: ReqState, drafts: list[int], logits: torch.Tensor) -> None:
         """Greedy-match acceptance, then roll back target length, draft length and pages."""
-        k, new = len(drafts), []
+        k, new = len(drafts), list[int]()
         for i in range(k + 1):
             token = sample_token(logits[i], state.req.sampling, state.num_outputs + len(new))
             new.append(token)
@@ -628,6 +635,13 @@ class Engine:
             last += len(row.inputs)
             row.state.draft_len = len(row.state.tokens) - 1
             row.state.draft_next = int(torch.argmax(logits[last]))
+
+
+def _state(row: _Row) -> ReqState:
+    """The request of a non-padding row."""
+    if row.state is None:
+        raise EngineError("padding row where a request row was expected")
+    return row.state
 
 
 def _validate(config: EngineConfig, model: ModelConfig, draft: ModelConfig | None) -> None:

@@ -1,0 +1,157 @@
+"""Batched generation equals one-request-at-a-time generation, and the bookkeeping stays clean."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_requests
+from engine_shadow import ShadowChecker
+
+from kvcanary.engine import Engine, EngineConfig, ForwardMode, ModelConfig, PoolKind, Request
+
+
+def sequential(reqs: list[Request], model: ModelConfig) -> dict[str, list[int]]:
+    """Reference: each request alone, unchunked, no prefix cache."""
+    out: dict[str, list[int]] = {}
+    for r in reqs:
+        engine = Engine(EngineConfig(chunk_size=4096, enable_prefix_cache=False), model)
+        out.update(engine.generate([r]))
+    return out
+
+
+def run_checked(reqs: list[Request], model: ModelConfig, draft: ModelConfig | None = None,
+                **cfg: Any) -> tuple[Engine, ShadowChecker, dict[str, list[int]]]:
+    """Run with the shadow checker; assert no violation and no leaked page."""
+    config = EngineConfig(**cfg)
+    shadow = ShadowChecker(config.num_slots, config.reserved_slots)
+    engine = Engine(config, model, draft, hooks=shadow)
+    out = engine.generate(reqs)
+    assert shadow.violations == []
+    assert_no_leak(engine)
+    return engine, shadow, out
+
+
+def assert_no_leak(engine: Engine) -> None:
+    cached = engine.radix.total_slots() if engine.radix else 0
+    size = engine.config.page_size
+    assert engine.allocator.num_free_pages + cached // size == engine.allocator.num_pages
+    assert engine.req_to_token.num_free_rows == engine.config.max_reqs - 1
+
+
+@pytest.mark.parametrize("cfg", [
+    {"chunk_size": 4096},
+    {"chunk_size": 7},
+    {"chunk_size": 5, "page_size": 4, "num_slots": 1024},
+    {"chunk_size": 16, "mixed_batching": True},
+    {"chunk_size": 16, "decode_pad_multiple": 4},
+    {"chunk_size": 3, "enable_prefix_cache": False, "max_running": 2},
+])
+def test_batched_equals_sequential(model_cfg: ModelConfig, cfg: dict[str, Any]) -> None:
+    reqs = make_requests(5)
+    engine, _, out = run_checked(reqs, model_cfg, **cfg)
+    assert out == sequential(reqs, model_cfg)
+    assert engine.stats.max_batch_size > 1
+
+
+def test_chunked_prefill_really_chunks(model_cfg: ModelConfig) -> None:
+    reqs = make_requests(2, prompt_len=30)
+    engine, shadow, _ = run_checked(reqs, model_cfg, chunk_size=8)
+    extends = [b for tag, b, _ in shadow.forwards if tag == "before" and b.mode == ForwardMode.EXTEND]
+    assert len(extends) >= 8 and max(b.num_tokens for b in extends) <= 8
+    assert engine.stats.chunks == len(extends)
+
+
+def test_prefix_reuse(model_cfg: ModelConfig) -> None:
+    reqs = make_requests(4, shared=24, prompt_len=6)
+    expected = sequential(reqs, model_cfg)
+    shadow = ShadowChecker(1024)
+    engine = Engine(EngineConfig(chunk_size=8), model_cfg, hooks=shadow)
+    engine.generate(reqs[:1])
+    mark = len(shadow.forwards)
+    out = engine.generate(reqs[1:])
+    assert out == {k: v for k, v in expected.items() if k != "r0"}
+    assert engine.stats.prefix_hit_tokens >= 3 * 24
+    assert shadow.violations == []
+    first = next(b for tag, b, _ in shadow.forwards[mark:] if tag == "before")
+    assert int(first.prefix_lens[0]) >= 24
+
+
+def test_prefix_reuse_page_size(model_cfg: ModelConfig) -> None:
+    reqs = make_requests(3, shared=13, prompt_len=5)
+    engine = Engine(EngineConfig(chunk_size=8, page_size=4), model_cfg)
+    engine.generate(reqs[:1])
+    out = engine.generate(reqs[1:])
+    assert out == {k: v for k, v in sequential(reqs, model_cfg).items() if k != "r0"}
+    assert engine.stats.prefix_hit_tokens == 2 * 12
+
+
+def test_sampling_is_batch_invariant(model_cfg: ModelConfig) -> None:
+    reqs = make_requests(4, temperature=1.0)
+    _, _, out = run_checked(reqs, model_cfg, chunk_size=5)
+    assert out == sequential(reqs, model_cfg)
+    greedy = sequential(make_requests(4), model_cfg)
+    assert out != greedy
+
+
+def test_sliding_window(swa_cfg: ModelConfig) -> None:
+    reqs = make_requests(4, prompt_len=18, new=12)
+    engine, _, out = run_checked(reqs, swa_cfg, chunk_size=5, num_swa_slots=128)
+    assert out == sequential(reqs, swa_cfg)
+    assert engine.swa is not None
+    resident = int((engine.swa.host[1:] >= 0).sum())
+    assert resident <= engine.radix.total_slots() if engine.radix else resident == 0
+
+
+def test_sliding_window_frees_out_of_window_slots(swa_cfg: ModelConfig) -> None:
+    engine = Engine(EngineConfig(chunk_size=4, num_swa_slots=64, enable_prefix_cache=False), swa_cfg)
+    for r in make_requests(2, prompt_len=30, new=20):
+        engine.add_request(r)
+    peak = 0
+    while engine.step():
+        assert engine.swa is not None
+        peak = max(peak, engine.swa.num_swa_slots - 1 - engine.swa.num_free)
+    window, chunk = swa_cfg.sliding_window, 4
+    assert peak <= 2 * (window + chunk)
+    assert engine.swa is not None and engine.swa.num_free == 63
+
+
+def test_sliding_window_prefix_reuse_multi_turn(swa_cfg: ModelConfig) -> None:
+    first = make_requests(1, prompt_len=20, new=8)[0]
+    engine, shadow, out = run_checked([first], swa_cfg, chunk_size=8, num_swa_slots=256)
+    turn2 = Request("turn2", first.prompt + tuple(out["r0"]) + (5, 6, 7), 6)
+    mark = len(shadow.forwards)
+    out2 = engine.generate([turn2])
+    assert engine.stats.prefix_hit_tokens == len(first.prompt) + 7
+    assert out2 == sequential([turn2], swa_cfg)
+    assert shadow.violations == []
+    assert len(shadow.forwards) > mark
+    # a prefix whose last window is no longer SWA-resident is not reused
+    other = Request("other", first.prompt[:12] + (1, 2, 3), 2)
+    before = engine.stats.prefix_hit_tokens
+    engine.generate([other])
+    assert engine.stats.prefix_hit_tokens == before
+
+
+def test_pool_view_and_cached_chains(swa_cfg: ModelConfig) -> None:
+    engine = Engine(EngineConfig(chunk_size=8, num_slots=256, num_swa_slots=64), swa_cfg)
+    engine.generate(make_requests(2))
+    view = engine.pool_view()
+    assert view.num_slots == 256 and view.reserved_slots == 1 and view.padding_row == 0
+    assert view.swa_layers == (1,) and view.full_layers == (0, 2) and view.swa_window == 6
+    assert view.k[1].shape[0] == 64 and view.k[0].shape == (256, 2, 16)
+    assert view.full_to_swa is not None and view.full_to_swa.dtype == torch.int64
+    chains = engine.cached_chains()
+    assert int(chains.chain_lens.sum()) == chains.slots.numel() > 0
+    assert bool(chains.unlocked.all())
+    assert engine.pool_view(PoolKind.TARGET).token_offset == 0
+
+
+def test_hooks_see_alloc_and_free(model_cfg: ModelConfig) -> None:
+    engine, shadow, _ = run_checked(make_requests(3), model_cfg, enable_prefix_cache=False)
+    alloc = torch.cat(shadow.allocated).sort().values
+    freed = torch.cat(shadow.freed).sort().values
+    assert torch.equal(alloc, freed)
+    befores = [b for tag, b, _ in shadow.forwards if tag == "before"]
+    assert len(befores) == engine.stats.forwards
