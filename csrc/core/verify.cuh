@@ -125,9 +125,11 @@ KVC_HD void verify_emit_input_error(const VerifyParams& P, const int64_t* seg, c
 // and with VERIFY_CHAIN when the record itself has no link. STORED_HASH is link(rec) only when the boundary
 // mismatch is the sole chain-type failure, else rec.prev_hash; EXPECTED_HASH is the expected link when the link
 // check failed, else EXPECT_PREFIX for a boundary mismatch, else 0.
-KVC_HD int64_t verify_check_half(const VerifyParams& P, const int64_t* seg, int64_t idx, const VerifyEntry& e,
-                                 int64_t h, uint64_t fp) {
-  const CanaryRecord rec = *record_at(P.records, P.halves, e.slot.slot, h);
+//
+// verify_check_record is the same check given the entry's record `rec` and, when e.has_pred && !e.anchor, the
+// predecessor's link (`pred_ok` false: the predecessor has no link); the CUDA kernel passes both from registers.
+KVC_HD int64_t verify_check_record(const VerifyParams& P, const int64_t* seg, int64_t idx, const VerifyEntry& e,
+                                   int64_t h, const CanaryRecord& rec, bool pred_ok, uint64_t pred_link, uint64_t fp) {
   const int64_t r_token = rec.token, r_pos = rec.position, r_prev = rec.prev_hash, r_fp = rec.kv_fingerprint;
   const int64_t row = seg[col(PlanCol::ROW)];
   int64_t reasons = 0;
@@ -140,8 +142,8 @@ KVC_HD int64_t verify_check_half(const VerifyParams& P, const int64_t* seg, int6
     if (e.anchor) {
       chain_expected = chain_h0();
     } else {
-      ok = record_link(*record_at(P.records, P.halves, e.pred_slot, h), &chain_expected);
-      if (!ok) chain_expected = 0;
+      ok = pred_ok;
+      chain_expected = ok ? pred_link : 0;
     }
     chain_bad = !ok || static_cast<uint64_t>(r_prev) != chain_expected;
   }
@@ -190,6 +192,15 @@ KVC_HD int64_t verify_check_half(const VerifyParams& P, const int64_t* seg, int6
     emit(P.sink, v);
   }
   return reasons;
+}
+
+KVC_HD int64_t verify_check_half(const VerifyParams& P, const int64_t* seg, int64_t idx, const VerifyEntry& e,
+                                 int64_t h, uint64_t fp) {
+  uint64_t pred_link = 0;
+  const bool pred_ok = e.has_pred && !e.anchor &&
+                       record_link(*record_at(P.records, P.halves, e.pred_slot, h), &pred_link);
+  return verify_check_record(P, seg, idx, e, h, *record_at(P.records, P.halves, e.slot.slot, h), pred_ok, pred_link,
+                             fp);
 }
 
 }  // namespace kvcanary

@@ -1,0 +1,213 @@
+// CUDA-side helpers shared by the kernels: launch geometry, stream, warp/block primitives, warp fingerprints.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/extra/cuda/base.h>
+#include <tvm/ffi/extra/cuda/device_guard.h>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+
+#include "core/fingerprint.cuh"
+#include "core/sink.cuh"
+#include "core/tensor_checks.h"
+
+namespace kvcanary {
+namespace cuda {
+
+constexpr int kWarp = 32;
+constexpr int kMaxDevices = 64;
+
+// Multiprocessor count of a device, read once per device and cached (host only, no stream work: capture-safe).
+inline int sm_count(int device_id) {
+  static std::array<std::atomic<int>, kMaxDevices> cache{};
+  TVM_FFI_ICHECK(device_id >= 0 && device_id < kMaxDevices) << "device id " << device_id;
+  int v = cache[device_id].load(std::memory_order_relaxed);
+  if (v == 0) {
+    TVM_FFI_CHECK_CUDA_ERROR(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device_id));
+    cache[device_id].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+// Resident blocks per SM of a kernel at a block size, computed once per (kernel, device) by the caller's static.
+template <typename Kernel>
+inline int resident_blocks(Kernel kernel, int threads, int device_id, std::array<std::atomic<int>, kMaxDevices>& cache) {
+  int v = cache[device_id].load(std::memory_order_relaxed);
+  if (v == 0) {
+    TVM_FFI_CHECK_CUDA_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, threads, 0));
+    if (v < 1) v = 1;
+    cache[device_id].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+// The caller's stream for a device (tvm-ffi sets it to torch's current stream, or the capture stream).
+inline cudaStream_t stream_of(DLDevice dev) {
+  return static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
+}
+
+inline void check_launch() { TVM_FFI_CHECK_CUDA_ERROR(cudaGetLastError()); }
+
+inline void check_cuda(const tvm::ffi::TensorView& t, const char* name) {
+  check_device_type(t, kDLCUDA, name);
+}
+
+// An int64 pointer, or nullptr for an absent optional tensor (0 elements).
+inline const int64_t* opt_ptr(const tvm::ffi::TensorView& t) {
+  return t.numel() == 0 ? nullptr : static_cast<const int64_t*>(t.data_ptr());
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+#if defined(__CUDACC__)
+
+__device__ __forceinline__ uint64_t warp_sum_u64(uint64_t v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ int64_t warp_sum_i64(int64_t v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Adds `v` to *dst once per block (block-reduced first); every thread of the block must call it.
+template <int kThreads>
+__device__ __forceinline__ void block_count(int64_t* dst, int64_t v, int64_t* smem /* kThreads/32 */) {
+  v = warp_sum_i64(v);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t s = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / kWarp; ++w) s += smem[w];
+    if (s != 0) atomic_add_i64(dst, s);
+  }
+}
+
+// Wrapped sum of the word terms of source j's row of `slot`, this lane's share (16-byte chunks lane, lane+32, ...).
+__device__ __forceinline__ uint64_t fp_lane_terms(const FpSource& s, int64_t j, int64_t slot, int64_t words, int lane) {
+  const ulonglong2* row = reinterpret_cast<const ulonglong2*>(fp_row(s, slot));
+  const int64_t chunks = words / 2;
+  uint64_t acc = 0;
+  int64_t c = lane;
+  // Four independent 16-byte loads in flight per lane before the first use.
+  for (; c + 3 * kWarp < chunks; c += 4 * kWarp) {
+    ulonglong2 w[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) w[u] = __ldg(row + c + u * kWarp);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t i = 2 * (c + u * kWarp);
+      acc += fp_word_term(w[u].x, j, i) + fp_word_term(w[u].y, j, i + 1);
+    }
+  }
+  for (; c < chunks; c += kWarp) {
+    const ulonglong2 w = __ldg(row + c);
+    acc += fp_word_term(w.x, j, 2 * c) + fp_word_term(w.y, j, 2 * c + 1);
+  }
+  return acc;
+}
+
+// Warp-cooperative fingerprint of (slot, position, half): every lane of a converged warp calls it with the same
+// arguments and gets the same value, equal bit for bit to fingerprint_serial (the wrapped sum is order-free).
+__device__ __forceinline__ uint64_t fingerprint_warp(const int64_t* table, int64_t n_sources, int64_t half,
+                                                     int64_t slot, int64_t position, int32_t mode,
+                                                     int64_t layer_stride) {
+  const int lane = threadIdx.x % kWarp;
+  uint64_t acc = 0;
+  for (int64_t j = 0; j < n_sources; ++j) {
+    if (!fp_source_selected(j, position, layer_stride)) continue;
+    const FpSource s = fp_source_at(table, n_sources, half, j);
+    acc += fp_lane_terms(s, j, slot, fp_read_words(s, mode), lane);
+  }
+  return fp_finalize(warp_sum_u64(acc), position);
+}
+
+// One thread's fingerprint with 16-byte loads (PARTIAL mode: one chunk per source).
+__device__ __forceinline__ uint64_t fingerprint_thread(const int64_t* table, int64_t n_sources, int64_t half,
+                                                       int64_t slot, int64_t position, int32_t mode,
+                                                       int64_t layer_stride) {
+  uint64_t acc = 0;
+  for (int64_t j = 0; j < n_sources; ++j) {
+    if (!fp_source_selected(j, position, layer_stride)) continue;
+    const FpSource s = fp_source_at(table, n_sources, half, j);
+    const ulonglong2* row = reinterpret_cast<const ulonglong2*>(fp_row(s, slot));
+    const int64_t chunks = fp_read_words(s, mode) / 2;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const ulonglong2 w = __ldg(row + c);
+      acc += fp_word_term(w.x, j, 2 * c) + fp_word_term(w.y, j, 2 * c + 1);
+    }
+  }
+  return fp_finalize(acc, position);
+}
+
+// Fingerprints of up to 32 (slot, position) pairs, one per lane (`want` false: lane has none): the warp computes
+// each wanted one cooperatively (ALL) or each lane its own (PARTIAL). Every lane of the warp must call it.
+__device__ __forceinline__ uint64_t fingerprint_lanes(const int64_t* table, int64_t n_sources, int64_t half,
+                                                      bool want, int64_t slot, int64_t position, int32_t mode,
+                                                      int64_t layer_stride) {
+  if (mode == static_cast<int32_t>(FingerprintMode::PARTIAL)) {
+    return want ? fingerprint_thread(table, n_sources, half, slot, position, mode, layer_stride) : 0;
+  }
+  const int lane = threadIdx.x % kWarp;
+  uint32_t pending = __ballot_sync(0xffffffffu, want);
+  uint64_t mine = 0;
+  while (pending != 0) {
+    const int k = __ffs(pending) - 1;
+    pending &= pending - 1;
+    const int64_t s = __shfl_sync(0xffffffffu, slot, k);
+    const int64_t p = __shfl_sync(0xffffffffu, position, k);
+    const uint64_t fp = fingerprint_warp(table, n_sources, half, s, p, mode, layer_stride);
+    if (lane == k) mine = fp;
+  }
+  return mine;
+}
+
+// 32-byte record as two 16-byte loads (records are 16-byte aligned when `vec`, else 8-byte loads).
+__device__ __forceinline__ CanaryRecord load_record(const int64_t* records, int64_t index, bool vec) {
+  CanaryRecord r;
+  if (vec) {
+    const longlong2* p = reinterpret_cast<const longlong2*>(records + index * RECORD_BYTES / 8);
+    const longlong2 a = p[0], b = p[1];
+    r.token = a.x;
+    r.position = a.y;
+    r.prev_hash = b.x;
+    r.kv_fingerprint = b.y;
+  } else {
+    const int64_t* p = records + index * RECORD_BYTES / 8;
+    r.token = p[0];
+    r.position = p[1];
+    r.prev_hash = p[2];
+    r.kv_fingerprint = p[3];
+  }
+  return r;
+}
+
+__device__ __forceinline__ void store_record(int64_t* records, int64_t index, const CanaryRecord& r, bool vec) {
+  if (vec) {
+    longlong2* p = reinterpret_cast<longlong2*>(records + index * RECORD_BYTES / 8);
+    p[0] = make_longlong2(r.token, r.position);
+    p[1] = make_longlong2(r.prev_hash, r.kv_fingerprint);
+  } else {
+    int64_t* p = records + index * RECORD_BYTES / 8;
+    p[0] = r.token;
+    p[1] = r.position;
+    p[2] = r.prev_hash;
+    p[3] = r.kv_fingerprint;
+  }
+}
+
+#endif  // __CUDACC__
+
+}  // namespace cuda
+}  // namespace kvcanary

@@ -1,0 +1,211 @@
+// CUDA plan_forward / plan_sweep (docs/ops-contract.md 2-3): one block scans the batch in chunks of its width.
+#include <tvm/ffi/function.h>
+
+#include "core/plan.cuh"
+#include "cuda/block_scan.cuh"
+#include "cuda/cuda_common.cuh"
+
+namespace kvcanary {
+namespace cuda {
+namespace {
+
+constexpr int kPlanThreads = 1024;
+
+struct PlanForwardArgs {
+  int64_t* plan;
+  int64_t* status;
+  const int64_t* req_pool_indices;
+  const int64_t* prefix_lens;
+  const int64_t* extend_lens;
+  const int64_t* expect_prefix;  // nullptr: absent
+  const int64_t* expect_new;     // nullptr: absent
+  SlotTable table;
+  int64_t bs;
+  int64_t num_tokens;
+  int64_t window;
+  int64_t padding_row;
+};
+
+// Scan lanes: running token offset, segments, verify entries, write entries, input errors, overflow.
+enum : int { kTok = 0, kSeg, kVer, kWri, kErr, kOvf, kLanes };
+
+__global__ void __launch_bounds__(kPlanThreads) plan_forward_kernel(PlanForwardArgs a) {
+  __shared__ BlockSumScratch<kPlanThreads, kLanes> scratch;
+  int64_t carry[kLanes] = {0, 0, 0, 0, 0, 0};
+  for (int64_t base = 0; base < a.bs; base += kPlanThreads) {
+    const int64_t i = base + threadIdx.x;
+    const bool in = i < a.bs;
+    const int64_t row = in ? a.req_pool_indices[i] : 0;
+    const int64_t pre = in ? a.prefix_lens[i] : 0;
+    const int64_t ext = in ? a.extend_lens[i] : 0;
+    int64_t v[kLanes] = {in ? plan_token_term(ext, a.num_tokens) : 0, 0, 0, 0, 0, 0};
+    int64_t total[kLanes];
+    // First pass: the running token offset gives each request its write begin and so its outcome.
+    block_exclusive_sum<kPlanThreads, kLanes>(v, total, scratch);
+    const int64_t wb = plan_token_cap(carry[kTok] + v[kTok], a.num_tokens);
+    const PlanOutcome out = in ? plan_forward_classify(row, pre, ext, wb, a.table.rows, a.table.cols, a.num_tokens,
+                                                       a.padding_row)
+                               : PlanOutcome::kPadding;
+    const bool seg = out == PlanOutcome::kSegment;
+    int64_t w[kLanes] = {0,
+                         seg ? 1 : 0,
+                         seg ? pre - plan_forward_verify_begin(pre, a.window) : 0,
+                         seg ? ext : 0,
+                         (out == PlanOutcome::kInputError || out == PlanOutcome::kOverflow) ? 1 : 0,
+                         out == PlanOutcome::kOverflow ? 1 : 0};
+    int64_t wtotal[kLanes];
+    block_exclusive_sum<kPlanThreads, kLanes>(w, wtotal, scratch);
+    if (seg) {
+      const int64_t s = carry[kSeg] + w[kSeg];
+      plan_forward_fill(a.plan + s * kNumPlanCols, i, row, pre, ext, wb, a.window, carry[kVer] + w[kVer], a.table,
+                        a.expect_prefix != nullptr, a.expect_prefix != nullptr ? a.expect_prefix[i] : 0,
+                        a.expect_new != nullptr, a.expect_new != nullptr ? a.expect_new[i] : 0);
+    }
+    carry[kTok] = plan_token_cap(carry[kTok] + total[kTok], a.num_tokens);
+#pragma unroll
+    for (int k = kSeg; k < kLanes; ++k) carry[k] += wtotal[k];
+  }
+  if (threadIdx.x == 0) {
+    a.status[col(PlanStatusCol::NUM_SEGMENTS)] = carry[kSeg];
+    a.status[col(PlanStatusCol::VERIFY_ENTRIES)] = carry[kVer];
+    a.status[col(PlanStatusCol::WRITE_ENTRIES)] = carry[kWri];
+    a.status[col(PlanStatusCol::INPUT_ERRORS)] = carry[kErr];
+    a.status[col(PlanStatusCol::OVERFLOW)] = carry[kOvf] > 0 ? 1 : 0;
+  }
+}
+
+struct PlanSweepArgs {
+  int64_t* plan;
+  int64_t* status;
+  const int64_t* starts;
+  const int64_t* lens;
+  const int64_t* first_positions;
+  const int64_t* prev_slots;
+  const int64_t* expect_end;  // nullptr: absent
+  int64_t n_chains;
+  int64_t n_slots;
+};
+
+enum : int { kSSeg = 0, kSVer, kSErr, kSLanes };
+
+__global__ void __launch_bounds__(kPlanThreads) plan_sweep_kernel(PlanSweepArgs a) {
+  __shared__ BlockSumScratch<kPlanThreads, kSLanes> scratch;
+  int64_t carry[kSLanes] = {0, 0, 0};
+  for (int64_t base = 0; base < a.n_chains; base += kPlanThreads) {
+    const int64_t c = base + threadIdx.x;
+    const bool in = c < a.n_chains;
+    const int64_t start = in ? a.starts[c] : 0, len = in ? a.lens[c] : 0, fp = in ? a.first_positions[c] : 0;
+    const bool ok = in && plan_sweep_valid(start, len, fp, a.n_slots);
+    int64_t v[kSLanes] = {ok ? 1 : 0, ok ? len : 0, (in && !ok) ? 1 : 0};
+    int64_t total[kSLanes];
+    block_exclusive_sum<kPlanThreads, kSLanes>(v, total, scratch);
+    if (ok) {
+      plan_sweep_fill(a.plan + (carry[kSSeg] + v[kSSeg]) * kNumPlanCols, c, start, len, fp, a.prev_slots[c],
+                      carry[kSVer] + v[kSVer], a.expect_end != nullptr, a.expect_end != nullptr ? a.expect_end[c] : 0);
+    }
+#pragma unroll
+    for (int k = 0; k < kSLanes; ++k) carry[k] += total[k];
+  }
+  if (threadIdx.x == 0) {
+    a.status[col(PlanStatusCol::NUM_SEGMENTS)] = carry[kSSeg];
+    a.status[col(PlanStatusCol::VERIFY_ENTRIES)] = carry[kSVer];
+    a.status[col(PlanStatusCol::WRITE_ENTRIES)] = 0;
+    a.status[col(PlanStatusCol::INPUT_ERRORS)] = carry[kSErr];
+    a.status[col(PlanStatusCol::OVERFLOW)] = 0;
+  }
+}
+
+}  // namespace
+
+void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indices, TensorView prefix_lens,
+                  TensorView extend_lens, TensorView req_to_token, TensorView expect_prefix, int64_t has_expect_prefix,
+                  TensorView expect_new, int64_t has_expect_new, int64_t num_tokens, int64_t window,
+                  int64_t padding_row) {
+  check_cuda(plan, "plan");
+  check_i64_tensor(plan, plan, 2, "plan", "plan");
+  check_dim(plan, 1, kNumPlanCols, "plan");
+  check_i64_tensor(status, plan, 1, "status", "plan");
+  check_dim(status, 0, kNumPlanStatusCols, "status");
+  check_i64_tensor(req_pool_indices, plan, 1, "req_pool_indices", "plan");
+  const int64_t bs = req_pool_indices.size(0);
+  check_i64_tensor(prefix_lens, plan, 1, "prefix_lens", "plan");
+  check_i64_tensor(extend_lens, plan, 1, "extend_lens", "plan");
+  check_dim(prefix_lens, 0, bs, "prefix_lens");
+  check_dim(extend_lens, 0, bs, "extend_lens");
+  check_index_dtype(req_to_token, "req_to_token");
+  check_ndim(req_to_token, 2, "req_to_token");
+  check_contiguous(req_to_token, "req_to_token");
+  check_same_device(req_to_token, plan, "req_to_token", "plan");
+  TVM_FFI_CHECK(plan.size(0) >= bs, ValueError) << "plan capacity " << plan.size(0) << " < batch size " << bs;
+  TVM_FFI_CHECK(num_tokens >= 0, ValueError) << "num_tokens must be >= 0, got " << num_tokens;
+  TVM_FFI_CHECK(window >= 0, ValueError) << "window must be >= 0, got " << window;
+  TVM_FFI_CHECK(padding_row >= -1, ValueError) << "padding_row must be >= -1, got " << padding_row;
+  if (has_expect_prefix) {
+    check_i64_tensor(expect_prefix, plan, 1, "expect_prefix", "plan");
+    check_dim(expect_prefix, 0, bs, "expect_prefix");
+  }
+  if (has_expect_new) {
+    check_i64_tensor(expect_new, plan, 1, "expect_new", "plan");
+    check_dim(expect_new, 0, bs, "expect_new");
+  }
+  PlanForwardArgs a{static_cast<int64_t*>(plan.data_ptr()),
+                    static_cast<int64_t*>(status.data_ptr()),
+                    static_cast<const int64_t*>(req_pool_indices.data_ptr()),
+                    static_cast<const int64_t*>(prefix_lens.data_ptr()),
+                    static_cast<const int64_t*>(extend_lens.data_ptr()),
+                    has_expect_prefix ? static_cast<const int64_t*>(expect_prefix.data_ptr()) : nullptr,
+                    has_expect_new ? static_cast<const int64_t*>(expect_new.data_ptr()) : nullptr,
+                    SlotTable{req_to_token.data_ptr(), is_i32(req_to_token), req_to_token.size(0),
+                              req_to_token.size(1)},
+                    bs,
+                    num_tokens,
+                    window,
+                    padding_row};
+  const DLDevice dev = plan.device();
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  plan_forward_kernel<<<1, kPlanThreads, 0, stream_of(dev)>>>(a);
+  check_launch();
+}
+
+void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView starts, TensorView lens,
+                TensorView first_positions, TensorView prev_slots, TensorView expect_end, int64_t has_expect_end) {
+  check_cuda(plan, "plan");
+  check_i64_tensor(plan, plan, 2, "plan", "plan");
+  check_dim(plan, 1, kNumPlanCols, "plan");
+  check_i64_tensor(status, plan, 1, "status", "plan");
+  check_dim(status, 0, kNumPlanStatusCols, "status");
+  check_index_dtype(slots, "slots");
+  check_ndim(slots, 1, "slots");
+  check_same_device(slots, plan, "slots", "plan");
+  check_i64_tensor(starts, plan, 1, "starts", "plan");
+  const int64_t n = starts.size(0);
+  for (auto [t, name] : {std::pair<TensorView*, const char*>{&lens, "lens"}, {&first_positions, "first_positions"},
+                         {&prev_slots, "prev_slots"}}) {
+    check_i64_tensor(*t, plan, 1, name, "plan");
+    check_dim(*t, 0, n, name);
+  }
+  if (has_expect_end) {
+    check_i64_tensor(expect_end, plan, 1, "expect_end", "plan");
+    check_dim(expect_end, 0, n, "expect_end");
+  }
+  TVM_FFI_CHECK(plan.size(0) >= n, ValueError) << "plan capacity " << plan.size(0) << " < chains " << n;
+  PlanSweepArgs a{static_cast<int64_t*>(plan.data_ptr()),
+                  static_cast<int64_t*>(status.data_ptr()),
+                  static_cast<const int64_t*>(starts.data_ptr()),
+                  static_cast<const int64_t*>(lens.data_ptr()),
+                  static_cast<const int64_t*>(first_positions.data_ptr()),
+                  static_cast<const int64_t*>(prev_slots.data_ptr()),
+                  has_expect_end ? static_cast<const int64_t*>(expect_end.data_ptr()) : nullptr,
+                  n,
+                  slots.size(0)};
+  const DLDevice dev = plan.device();
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  plan_sweep_kernel<<<1, kPlanThreads, 0, stream_of(dev)>>>(a);
+  check_launch();
+}
+
+}  // namespace cuda
+}  // namespace kvcanary
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_forward, kvcanary::cuda::plan_forward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_sweep, kvcanary::cuda::plan_sweep);

@@ -1,0 +1,233 @@
+// CUDA verify (docs/ops-contract.md 4): both halves in one launch, entries derived from the plan segments on the
+// device, one 16-byte-vector gather of a slot's K and V records per entry, the predecessor's link passed from the
+// neighbouring lane, fingerprints warp-cooperative; a persistent grid sized from the SM count.
+#include <tvm/ffi/function.h>
+
+#include "core/verify.cuh"
+#include "cuda/cuda_common.cuh"
+
+namespace kvcanary {
+namespace cuda {
+namespace {
+
+constexpr int kVerifyThreads = 256;
+
+struct VerifyLaunch {
+  VerifyParams P;
+  const int64_t* plan;
+  int64_t plan_cap;
+  const int64_t* status;
+  bool vec;  // records 16-byte aligned: vector loads
+};
+
+// The last segment in [lo, hi] with ENTRY_OFFSET <= e (lo's offset is <= e by construction).
+__device__ __forceinline__ int64_t segment_in(const int64_t* plan, int64_t lo, int64_t hi, int64_t e) {
+  while (lo < hi) {
+    const int64_t mid = hi - (hi - lo) / 2;
+    if (plan[mid * kNumPlanCols + col(PlanCol::ENTRY_OFFSET)] <= e) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kVerifyThreads) verify_kernel(VerifyLaunch L) {
+  __shared__ int64_t s_bounds[2];
+  __shared__ int64_t s_reduce[kVerifyThreads / kWarp];
+  const VerifyParams& P = L.P;
+  const int64_t nseg = plan_num_segments(L.status, L.plan_cap);
+  const int lane = threadIdx.x % kWarp;
+  const int64_t gthreads = static_cast<int64_t>(gridDim.x) * kVerifyThreads;
+  const int64_t gtid = static_cast<int64_t>(blockIdx.x) * kVerifyThreads + threadIdx.x;
+
+  int64_t checked = 0, skipped = 0, errors = 0;
+  // Bad segments (a plan paired with another table): one INPUT_ERROR row per half, entries not read.
+  for (int64_t s = gtid; s < nseg; s += gthreads) {
+    const int64_t* seg = L.plan + s * kNumPlanCols;
+    if (!verify_segment_ok(P, seg)) {
+      verify_emit_bad_segment(P, seg);
+      ++errors;
+    }
+  }
+  int64_t total = 0;
+  if (nseg > 0) {
+    const int64_t* last = L.plan + (nseg - 1) * kNumPlanCols;
+    const int64_t len = last[col(PlanCol::IDX_END)] - last[col(PlanCol::IDX_BEGIN)];
+    total = last[col(PlanCol::ENTRY_OFFSET)] + (len > 0 ? len : 0);
+    if (total < 0) total = 0;
+  }
+  const bool want_fp = verify_wants_fp(P);
+  const int64_t halves = P.halves;
+
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kVerifyThreads; base < total; base += gthreads) {
+    __syncthreads();
+    if (threadIdx.x == 0) s_bounds[0] = plan_segment_of_entry(L.plan, nseg, base);
+    if (threadIdx.x == kVerifyThreads - 1) {
+      const int64_t last_e = base + kVerifyThreads - 1 < total ? base + kVerifyThreads - 1 : total - 1;
+      s_bounds[1] = plan_segment_of_entry(L.plan, nseg, last_e);
+    }
+    __syncthreads();
+    const int64_t e_idx = base + threadIdx.x;
+    int64_t s = -1;
+    bool valid = false;
+    int64_t idx = 0;
+    const int64_t* seg = L.plan;
+    if (e_idx < total && s_bounds[0] >= 0) {
+      s = segment_in(L.plan, s_bounds[0], s_bounds[1], e_idx);
+      seg = L.plan + s * kNumPlanCols;
+      idx = seg[col(PlanCol::IDX_BEGIN)] + (e_idx - seg[col(PlanCol::ENTRY_OFFSET)]);
+      valid = verify_segment_ok(P, seg) && idx >= seg[col(PlanCol::IDX_BEGIN)] && idx < seg[col(PlanCol::IDX_END)];
+    }
+    VerifyEntry ent{};
+    bool ok = false;
+    if (valid) {
+      ent = verify_locate(P, seg, idx);
+      ok = ent.slot.status == SlotStatus::kOk;
+      if (ent.slot.status == SlotStatus::kInputError) {
+        verify_emit_input_error(P, seg, ent);
+        ++errors;
+      } else if (!ok) {
+        ++skipped;
+      }
+    }
+    CanaryRecord rec[MAX_HALVES] = {};
+    bool link_ok[MAX_HALVES] = {false, false};
+    uint64_t link[MAX_HALVES] = {0, 0};
+    if (ok) {
+      ++checked;
+      for (int64_t h = 0; h < halves; ++h) {
+        rec[h] = load_record(P.records, ent.slot.slot * halves + h, L.vec);
+        link_ok[h] = record_link(rec[h], &link[h]);
+      }
+    }
+    // The predecessor of entry idx is entry idx - 1 of the same segment, held by the previous lane when it is there.
+    const int64_t prev_s = __shfl_up_sync(0xffffffffu, valid ? s : -1, 1);
+    uint64_t pred_link[MAX_HALVES];
+    bool pred_ok[MAX_HALVES];
+#pragma unroll
+    for (int h = 0; h < MAX_HALVES; ++h) {
+      pred_link[h] = __shfl_up_sync(0xffffffffu, link[h], 1);
+      pred_ok[h] = __shfl_up_sync(0xffffffffu, link_ok[h] ? 1 : 0, 1) != 0;
+    }
+    if (ok && ent.has_pred && !ent.anchor && !(lane > 0 && prev_s == s && idx > seg[col(PlanCol::IDX_BEGIN)])) {
+      for (int64_t h = 0; h < halves; ++h) {
+        const CanaryRecord pr = load_record(P.records, ent.pred_slot * halves + h, L.vec);
+        pred_ok[h] = record_link(pr, &pred_link[h]);
+      }
+    }
+    for (int64_t h = 0; h < halves; ++h) {
+      const uint64_t fp = want_fp ? fingerprint_lanes(P.fp.table, P.fp.n_sources, h, ok, ent.slot.slot,
+                                                      ent.position, P.fp.mode, P.fp.layer_stride)
+                                  : 0;
+      if (ok) verify_check_record(P, seg, idx, ent, h, rec[h], pred_ok[h], pred_link[h], fp);
+    }
+  }
+  for (int64_t h = 0; h < halves; ++h) {
+    block_count<kVerifyThreads>(&P.sink.counters[P.tags[h] * kNumCounterCols + col(CounterCol::ENTRIES_CHECKED)],
+                                checked, s_reduce);
+    block_count<kVerifyThreads>(&P.sink.counters[P.tags[h] * kNumCounterCols + col(CounterCol::SKIPPED)], skipped,
+                                s_reduce);
+    block_count<kVerifyThreads>(&P.sink.counters[P.tags[h] * kNumCounterCols + col(CounterCol::INPUT_ERRORS)],
+                                errors, s_reduce);
+    if (blockIdx.x == 0 && threadIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);
+  }
+}
+
+std::array<std::atomic<int>, kMaxDevices> g_verify_occupancy{};
+
+void check_tag(int64_t tag, const char* name) {
+  TVM_FFI_CHECK(tag >= 0 && tag < kNumLaunchTags, ValueError) << name << " must be a LaunchTag, got " << tag;
+}
+
+}  // namespace
+
+void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t reserved_slots, int64_t tag_k,
+            int64_t tag_v, TensorView plan, TensorView status, TensorView table, TensorView ring_rows,
+            TensorView ring_count, TensorView counters, TensorView step, TensorView pool_tokens, TensorView pool_lens,
+            int64_t has_pool, int64_t token_offset, TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride) {
+  check_i64_tensor(records, records, 3, "records", "records");
+  check_cuda(records, "records");
+  const int64_t num_slots = records.size(0), halves = records.size(1);
+  TVM_FFI_CHECK(halves == 1 || halves == 2, ValueError) << "records.shape[1] must be 1 or 2, got " << halves;
+  check_dim(records, 2, static_cast<int64_t>(sizeof(CanaryRecord) / sizeof(int64_t)), "records");
+  check_i64_tensor(swa_map, records, 1, "swa_map", "records");
+  TVM_FFI_CHECK(has_swa_map != 0 || swa_map.size(0) == 0, ValueError) << "swa_map must be empty when absent";
+  TVM_FFI_CHECK(reserved_slots >= 0 && reserved_slots <= num_slots, ValueError)
+      << "reserved_slots must be in [0, " << num_slots << "], got " << reserved_slots;
+  check_tag(tag_k, "tag_k");
+  if (halves == 2) check_tag(tag_v, "tag_v");
+  check_i64_tensor(plan, records, 2, "plan", "records");
+  check_dim(plan, 1, kNumPlanCols, "plan");
+  check_i64_tensor(status, records, 1, "status", "records");
+  check_dim(status, 0, kNumPlanStatusCols, "status");
+  check_index_dtype(table, "table");
+  check_ndim(table, 2, "table");
+  check_contiguous(table, "table");
+  check_same_device(table, records, "table", "records");
+  check_i64_tensor(ring_rows, records, 2, "ring_rows", "records");
+  check_dim(ring_rows, 1, kNumViolationCols, "ring_rows");
+  check_i64_tensor(ring_count, records, 1, "ring_count", "records");
+  check_dim(ring_count, 0, 1, "ring_count");
+  check_i64_tensor(counters, records, 2, "counters", "records");
+  check_dim(counters, 0, kNumLaunchTags, "counters");
+  check_dim(counters, 1, kNumCounterCols, "counters");
+  check_i64_tensor(step, records, 1, "step", "records");
+  check_dim(step, 0, 1, "step");
+  if (has_pool != 0) {
+    check_i64_tensor(pool_tokens, records, 2, "pool_tokens", "records");
+    check_i64_tensor(pool_lens, records, 1, "pool_lens", "records");
+    check_dim(pool_lens, 0, pool_tokens.size(0), "pool_lens");
+    TVM_FFI_CHECK(token_offset >= 0, ValueError) << "token_offset must be >= 0, got " << token_offset;
+  }
+  TVM_FFI_CHECK(fp_mode >= static_cast<int64_t>(FingerprintMode::NONE) &&
+                    fp_mode <= static_cast<int64_t>(FingerprintMode::ALL),
+                ValueError)
+      << "fp_mode must be a FingerprintMode, got " << fp_mode;
+  const bool want_fp = fp_mode != static_cast<int64_t>(FingerprintMode::NONE);
+  if (want_fp) {
+    check_i64_tensor(fp_table, records, 3, "fp_table", "records");
+    check_dim(fp_table, 0, halves, "fp_table");
+    check_dim(fp_table, 2, kNumFpSourceCols, "fp_table");
+    TVM_FFI_CHECK(fp_table.size(1) >= 1, ValueError) << "fp_table needs at least one source";
+    TVM_FFI_CHECK(fp_layer_stride >= 1, ValueError) << "fp_layer_stride must be >= 1, got " << fp_layer_stride;
+  }
+
+  VerifyLaunch L{};
+  VerifyParams& P = L.P;
+  P.records = static_cast<const int64_t*>(records.data_ptr());
+  P.halves = halves;
+  P.group = GroupView{num_slots, reserved_slots,
+                      has_swa_map != 0 ? static_cast<const int64_t*>(swa_map.data_ptr()) : nullptr,
+                      has_swa_map != 0 ? swa_map.size(0) : 0};
+  P.table = SlotTable{table.data_ptr(), is_i32(table), table.size(0), table.size(1)};
+  P.tags[0] = tag_k;
+  P.tags[1] = halves == 2 ? tag_v : tag_k;
+  P.sink = SinkView{static_cast<int64_t*>(ring_rows.data_ptr()), static_cast<int64_t*>(ring_count.data_ptr()),
+                    ring_rows.size(0), static_cast<int64_t*>(counters.data_ptr()),
+                    static_cast<const int64_t*>(step.data_ptr())};
+  P.pool = has_pool != 0 ? TokenPoolView{static_cast<const int64_t*>(pool_tokens.data_ptr()),
+                                         static_cast<const int64_t*>(pool_lens.data_ptr()), pool_tokens.size(0),
+                                         pool_tokens.size(1), token_offset}
+                         : TokenPoolView{nullptr, nullptr, 0, 0, 0};
+  P.fp = want_fp ? FpView{static_cast<const int64_t*>(fp_table.data_ptr()), fp_table.size(1),
+                          static_cast<int32_t>(fp_mode), fp_layer_stride}
+                 : FpView{nullptr, 0, static_cast<int32_t>(FingerprintMode::NONE), 1};
+  L.plan = static_cast<const int64_t*>(plan.data_ptr());
+  L.plan_cap = plan.size(0);
+  L.status = static_cast<const int64_t*>(status.data_ptr());
+  L.vec = reinterpret_cast<uintptr_t>(records.data_ptr()) % 16 == 0;
+
+  const DLDevice dev = records.device();
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  const int grid = sm_count(dev.device_id) *
+                   resident_blocks(verify_kernel, kVerifyThreads, dev.device_id, g_verify_occupancy);
+  verify_kernel<<<grid, kVerifyThreads, 0, stream_of(dev)>>>(L);
+  check_launch();
+}
+
+}  // namespace cuda
+}  // namespace kvcanary
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(verify, kvcanary::cuda::verify);
