@@ -220,13 +220,15 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
     flags = g[:, PlanCol.FLAGS]
     boundary = ((flags & int(PlanFlag.EXPECT_PREFIX)) != 0) & (i == g[:, PlanCol.IDX_END] - 1)
     if pool is not None:
+        pool_rows, pool_cols = pool.tokens.shape
         q = p + pool.offset
-        prow = torch.clamp(g[:, PlanCol.ROW], max=pool.tokens.shape[0] - 1)
-        in_pool = (g[:, PlanCol.ROW] < pool.tokens.shape[0]) & (q >= 0) & (q < pool.tokens.shape[1])
-        in_pool &= q < pool.lens[prow] if prow.numel() else in_pool
-        qc = torch.clamp(q, 0, max(pool.tokens.shape[1] - 1, 0))
-        pool_tok = pool.tokens[prow, qc] if pool.tokens.numel() else torch.zeros_like(q)
-        expected_token = torch.where(in_pool, pool_tok, torch.full_like(q, SKIP_TOKEN))
+        in_pool = (g[:, PlanCol.ROW] < pool_rows) & (q >= 0) & (q < pool_cols)
+        expected_token = torch.full_like(q, SKIP_TOKEN)
+        if pool.tokens.numel():
+            prow = torch.clamp(g[:, PlanCol.ROW], max=pool_rows - 1)
+            in_pool &= q < pool.lens[prow]
+            pool_tok = pool.tokens[prow, torch.clamp(q, 0, pool_cols - 1)]
+            expected_token = torch.where(in_pool, pool_tok, expected_token)
     for h, tag in enumerate(tags):
         rec = group.records[s, h]
         r_tok, r_pos = rec[:, RecordField.TOKEN], rec[:, RecordField.POSITION]
