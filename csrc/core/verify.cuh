@@ -117,7 +117,8 @@ KVC_HD void verify_emit_input_error(const VerifyParams& P, const int64_t* seg, c
 }
 
 // Checks of one kOk entry for half h; `fp` is the fresh fingerprint of (slot, position, h) when verify_wants_fp
-// (computed by the caller: serially on the CPU, warp-cooperatively on the GPU), ignored otherwise. Emits a row when
+// (computed by the caller: serially on the CPU, warp-cooperatively on the GPU), ignored otherwise and replaced by 0
+// when the position is outside [0, TOKEN_LIMIT) (the caller need not compute it there). Emits a row when
 // a check fails; returns the reasons. The caller counts ENTRIES_CHECKED.
 //
 // Chain-type reasons: the link check fails with VERIFY_CHAIN (a predecessor without a link expects 0 and always
@@ -170,6 +171,7 @@ KVC_HD int64_t verify_check_record(const VerifyParams& P, const int64_t* seg, in
   }
 
   const bool want_fp = verify_wants_fp(P);
+  if (!chain_value_ok(e.position)) fp = 0;  // as the fingerprint op: a position outside [0, TOKEN_LIMIT) hashes to 0
   if (want_fp && static_cast<uint64_t>(r_fp) != fp) reasons |= bits(FailReason::VERIFY_FINGERPRINT);
 
   if (reasons != 0) {

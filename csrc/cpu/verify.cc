@@ -69,7 +69,8 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
   const bool want_fp = fp_mode != static_cast<int64_t>(FingerprintMode::NONE);
   if (want_fp) {
     check_i64_tensor(fp_table, records, 3, "fp_table", "records");
-    check_dim(fp_table, 0, halves, "fp_table");
+    TVM_FFI_CHECK(fp_table.size(0) >= halves, ValueError)
+        << "fp_table has " << fp_table.size(0) << " halves, records " << halves;
     check_dim(fp_table, 2, kNumFpSourceCols, "fp_table");
     TVM_FFI_CHECK(fp_table.size(1) >= 1, ValueError) << "fp_table needs at least one source";
     TVM_FFI_CHECK(fp_layer_stride >= 1, ValueError) << "fp_layer_stride must be >= 1, got " << fp_layer_stride;
@@ -119,7 +120,8 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
       ++checked;
       for (int64_t h = 0; h < halves; ++h) {
         const uint64_t fp =
-            want_fp ? fingerprint_serial(P.fp.table, P.fp.n_sources, h, e.slot.slot, e.position, P.fp.mode,
+            want_fp && chain_value_ok(e.position)
+                ? fingerprint_serial(P.fp.table, P.fp.n_sources, h, e.slot.slot, e.position, P.fp.mode,
                                          P.fp.layer_stride)
                     : 0;
         verify_check_half(P, seg, idx, e, h, fp);

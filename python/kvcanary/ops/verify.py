@@ -6,12 +6,10 @@ import torch
 from kvcanary_schema import (
     NUM_LAUNCH_TAGS,
     NUM_VIOLATION_COLS,
-    PARTIAL_READ_BYTES,
     SKIP_TOKEN,
     CounterCol,
     FailReason,
     FingerprintMode,
-    FpSourceCol,
     PlanCol,
     PlanFlag,
     PlanStatusCol,
@@ -23,10 +21,10 @@ from kvcanary_schema import (
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
+from kvcanary.ops.fingerprint import check_fingerprint, fingerprint_torch
 from kvcanary.ops.plan import check_plan_buffers, empty_i64
 from kvcanary.ops.types import (
     Fingerprint,
-    FingerprintSources,
     GroupView,
     Sink,
     TokenPool,
@@ -60,19 +58,7 @@ def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Ten
         if not isinstance(token_pool, TokenPool):
             raise CanaryInputError(f"token_pool must be a TokenPool, got {type(token_pool).__name__}")
         check_tensor(token_pool.tokens, "token pool", ndim=2, device=device)
-    if fingerprint is not None:
-        if not isinstance(fingerprint, Fingerprint):
-            raise CanaryInputError(f"fingerprint must be a Fingerprint, got {type(fingerprint).__name__}")
-        if stage == Stage.HEAD:
-            raise CanaryInputError("fingerprint: HEAD stages never fingerprint (the new KV is not written yet)")
-        src = fingerprint.sources
-        if src.device != device:
-            raise CanaryInputError(f"fingerprint sources on {src.device}, records on {device}")
-        if len(src.halves) != group.halves:
-            raise CanaryInputError(f"fingerprint sources have {len(src.halves)} halves, records {group.halves}")
-        if src.num_slots < group.num_slots:
-            raise CanaryInputError(f"fingerprint sources cover {src.num_slots} slots, the group has "
-                                   f"{group.num_slots}")
+    check_fingerprint(fingerprint, group, stage)
     tags = group.tags(stage)
     b = check_backend(backend, device)
     if b == "torch":
@@ -117,22 +103,6 @@ def record_link(rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tok, pos = rec[:, RecordField.TOKEN], rec[:, RecordField.POSITION]
     ok = H.chain_value_ok(tok) & H.chain_value_ok(pos)
     return ok, H.chain_step(rec[:, RecordField.PREV_HASH], tok, pos)
-
-
-def fingerprint_torch(sources: FingerprintSources, half: int, slots: torch.Tensor, positions: torch.Tensor,
-                      mode: FingerprintMode, layer_stride: int) -> torch.Tensor:
-    """Fingerprint of group slots at positions for one half (docs/ops-contract.md 1), mode != NONE."""
-    acc = torch.zeros_like(slots)
-    meta = sources.table[half].tolist()
-    for j, rows in enumerate(sources.rows[half]):
-        page, bpt = meta[j][FpSourceCol.PAGE_SIZE], meta[j][FpSourceCol.BYTES_PER_TOKEN]
-        rb = PARTIAL_READ_BYTES if mode == FingerprintMode.PARTIAL else meta[j][FpSourceCol.READ_BYTES]
-        byte_idx = ((slots % page) * bpt).unsqueeze(1) + torch.arange(rb, device=slots.device)
-        words = rows[(slots // page).unsqueeze(1), byte_idx].contiguous().view(torch.int64)
-        terms = H.fp_word_term(words, j, torch.arange(rb // 8, device=slots.device)).sum(1)
-        selected = torch.remainder(positions + j, layer_stride) == 0
-        acc = acc + torch.where(selected, terms, torch.zeros_like(terms))
-    return H.fp_finalize(acc, positions)
 
 
 def _rows(n: int, device: torch.device) -> torch.Tensor:
