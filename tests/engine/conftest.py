@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from kvcanary.engine import ModelConfig, Request, SamplingParams
 
 

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from kvcanary.engine import ForwardBatch, PoolKind, RecordingHooks
+import torch
+from kvcanary.engine import (
+    Engine,
+    EngineConfig,
+    ForwardBatch,
+    ModelConfig,
+    PoolKind,
+    RecordingHooks,
+    Request,
+)
 
 
 class ShadowChecker(RecordingHooks):
@@ -56,3 +65,31 @@ class ShadowChecker(RecordingHooks):
         super().on_free(slots)
         for rec in self.records.values():
             rec[slots.cpu()] = -1
+
+
+def sequential(reqs: list[Request], model: ModelConfig) -> dict[str, list[int]]:
+    """Reference: each request alone, unchunked, no prefix cache."""
+    out: dict[str, list[int]] = {}
+    for r in reqs:
+        engine = Engine(EngineConfig(chunk_size=4096, enable_prefix_cache=False), model)
+        out.update(engine.generate([r]))
+    return out
+
+
+def run_checked(reqs: list[Request], model: ModelConfig, draft: ModelConfig | None = None,
+                **cfg: Any) -> tuple[Engine, ShadowChecker, dict[str, list[int]]]:
+    """Run with the shadow checker; assert no violation and no leaked page."""
+    config = EngineConfig(**cfg)
+    shadow = ShadowChecker(config.num_slots, config.reserved_slots)
+    engine = Engine(config, model, draft, hooks=shadow)
+    out = engine.generate(reqs)
+    assert shadow.violations == []
+    assert_no_leak(engine)
+    return engine, shadow, out
+
+
+def assert_no_leak(engine: Engine) -> None:
+    cached = engine.radix.total_slots() if engine.radix else 0
+    size = engine.config.page_size
+    assert engine.allocator.num_free_pages + cached // size == engine.allocator.num_pages
+    assert engine.req_to_token.num_free_rows == engine.config.max_reqs - 1

@@ -7,9 +7,7 @@ from collections.abc import Callable
 import pytest
 from conftest import make_requests
 from engine_shadow import ShadowChecker
-
-from kvcanary.engine import (
-    ConfigError, Engine, EngineConfig, FaultConfig, FaultInjector, ModelConfig, Request)
+from kvcanary.engine import ConfigError, Engine, EngineConfig, FaultConfig, FaultInjector, ModelConfig, Request
 
 Scenario = Callable[[Engine], None]
 

@@ -6,11 +6,17 @@ from typing import Any
 
 import pytest
 from conftest import make_requests
-from engine_shadow import ShadowChecker
-from test_equivalence import assert_no_leak, run_checked, sequential
-
+from engine_shadow import ShadowChecker, assert_no_leak, run_checked, sequential
 from kvcanary.engine import (
-    Engine, EngineConfig, ForwardMode, ModelConfig, PoolExhaustedError, PoolKind, Request)
+    Engine,
+    EngineConfig,
+    ForwardMode,
+    ModelConfig,
+    PoolExhaustedError,
+    PoolKind,
+    Request,
+    RequestError,
+)
 
 
 @pytest.mark.parametrize("cfg", [
@@ -102,7 +108,7 @@ def test_auto_retract_under_pool_pressure(model_cfg: ModelConfig, draft_cfg: Mod
 
 def test_pool_too_small_raises(model_cfg: ModelConfig) -> None:
     engine = Engine(EngineConfig(num_slots=64, max_context=512), model_cfg)
-    with pytest.raises(Exception):
+    with pytest.raises(RequestError):
         engine.add_request(Request("big", tuple(range(100)), 4))
     engine = Engine(EngineConfig(num_slots=40, auto_retract=False, chunk_size=8), model_cfg)
     with pytest.raises(PoolExhaustedError):

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kvcanary.engine import (
-    ConfigError, DoubleFreeError, ModelConfig, RadixCache, SlotAllocator, SwaMap, TinyTransformer)
+    ConfigError,
+    DoubleFreeError,
+    ModelConfig,
+    RadixCache,
+    SlotAllocator,
+    SwaMap,
+    TinyTransformer,
+)
 
 
 def test_model_weights_are_seeded() -> None:

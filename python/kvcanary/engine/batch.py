@@ -8,14 +8,14 @@ from dataclasses import dataclass
 import torch
 
 
-class PoolKind(str, enum.Enum):
+class PoolKind(enum.StrEnum):
     """Which model and pool a forward runs on."""
 
     TARGET = "target"
     DRAFT = "draft"
 
 
-class ForwardMode(str, enum.Enum):
+class ForwardMode(enum.StrEnum):
     """What a forward does."""
 
     EXTEND = "extend"

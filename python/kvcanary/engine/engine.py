@@ -469,7 +469,7 @@ class Engine:
         logits = self._forward(rows, ForwardMode.EXTEND, PoolKind.TARGET)
         self.stats.chunks += 1
         last, predicted = -1, []
-        for row, end in zip(rows, ends):
+        for row, end in zip(rows, ends, strict=False):
             last += len(row.inputs)
             predicted.append(int(torch.argmax(logits[last])))
             self._end_chunk(_state(row), end, logits[last])
@@ -530,7 +530,7 @@ class Engine:
     def _draft_after_prefill(self, rows: list[_Row], predicted: list[int]) -> None:
         """Draft extend over the chunk just prefilled (its inputs rotated by one token)."""
         drows = []
-        for row, pred in zip(rows, predicted):
+        for row, pred in zip(rows, predicted, strict=False):
             state = row.state
             if state is None:
                 continue

@@ -173,7 +173,7 @@ class TinyTransformer:
         window = cfg.window_of(index)
         outs, offset = [], 0
         for row, pre, ext in zip(batch.req_pool_indices_host, batch.prefix_lens_host,
-                                 batch.extend_lens_host):
+                                 batch.extend_lens_host, strict=False):
             lo = max(0, pre - window + 1) if window else 0
             slots = batch.req_to_token[row, lo:pre + ext]
             kk, vv = pool.read(index, slots)

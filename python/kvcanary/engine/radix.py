@@ -79,7 +79,7 @@ class RadixCache:
     def _common(self, a: tuple[int, ...], b: tuple[int, ...]) -> int:
         """Page-aligned common prefix length."""
         n = 0
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=False):
             if x != y:
                 break
             n += 1
