@@ -1,0 +1,169 @@
+"""Spawns the prefill and decode roles on one machine (loopback only), collects their reports, summarizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvcanary.engine.engine import Engine
+
+from .canary import CanaryBinding
+from .decode import DecodeRole
+from .engines import DecodeEngine, PrefillEngine, Workload, engine_config, model_config
+from .prefill import PrefillRole
+from .transport import Channel, FaultName, FaultSpec
+
+PREFILL_RANK, DECODE_RANK = 0, 1
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything both roles need; picklable (it crosses the spawn boundary)."""
+
+    device: str = "cpu"
+    model: str = "full"
+    workload: Workload = field(default_factory=Workload)
+    fault: FaultSpec = field(default_factory=FaultSpec)
+    canary: bool = True
+    backend: str = "auto"
+    timeout_s: float = 10.0
+    reference: bool = True  # decode side re-runs the workload on one engine and compares outputs
+    page_size: int = 1
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_canary(engine: Engine, cfg: LaunchConfig) -> CanaryBinding | None:
+    """Install the canary runtime on a role's engine (None when disabled)."""
+    if not cfg.canary:
+        return None
+    from .runtime_glue import install_on_engine
+
+    return install_on_engine(engine, cfg.backend)
+
+
+def _role_main(rank: int, cfg: LaunchConfig, port: int, out: str) -> None:
+    """Entry point of one spawned role: run it and write its JSON report (an unexpected crash is reported too)."""
+    try:
+        report, clean = _run_role(rank, cfg, port)
+    except Exception as err:  # report any crash as the role's typed error instead of dying silently
+        report = {"role": ("prefill", "decode")[rank],
+                  "error": {"type": type(err).__name__, "message": str(err), "traceback": traceback.format_exc()}}
+        clean = False
+    Path(out).write_text(json.dumps(report, default=str))
+    if clean:
+        dist.destroy_process_group()
+
+
+def _run_role(rank: int, cfg: LaunchConfig, port: int) -> tuple[dict[str, Any], bool]:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    gpu = cfg.device == "cuda"
+    device = torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=cfg.timeout_s)
+    if gpu:
+        dist.init_process_group("nccl", rank=rank, world_size=2, timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    channel = Channel(1 - rank, control, dist.group.WORLD, cfg.timeout_s)
+    model = model_config(cfg.model)
+    requests = cfg.workload.requests(model.vocab_size)
+    econf = engine_config(page_size=cfg.page_size)
+    if rank == PREFILL_RANK:
+        pengine = PrefillEngine(econf, model, device=device)
+        rep = PrefillRole(pengine, make_canary(pengine, cfg), channel, cfg.fault).run(requests)
+        return rep.to_dict(), rep.error is None
+    dengine = DecodeEngine(econf, model, device=device)
+    rep = DecodeRole(dengine, make_canary(dengine, cfg), channel, cfg.fault, requests).run()
+    report = rep.to_dict()
+    if cfg.reference:
+        report["reference"] = Engine(econf, model, device=device).generate(requests)
+    return report, rep.error is None
+
+
+def _victims(cfg: LaunchConfig, requests: dict[str, dict[str, Any]]) -> list[str]:
+    idx = set(cfg.fault.victims()) if cfg.fault.name in {
+        FaultName.CORRUPT, FaultName.TRUNCATE_LAYERS, FaultName.TRUNCATE_TAIL, FaultName.SWAP, FaultName.STALE,
+        FaultName.BAD_LENGTH} else set()
+    return sorted(rid for rid, e in requests.items() if e.get("index") in idx)
+
+
+def summarize(cfg: LaunchConfig, prefill: dict[str, Any], decode: dict[str, Any]) -> dict[str, Any]:
+    """The launcher's result: outcome per request, detection, transfer overhead, errors of both roles."""
+    dreq: dict[str, dict[str, Any]] = decode.get("requests", {})
+    victims = _victims(cfg, dreq or prefill.get("requests", {}))
+    ref = decode.get("reference") or {}
+    outs = decode.get("outputs") or {}
+    ok = sorted(rid for rid, e in dreq.items() if e.get("status") == "ok")
+    failed = {rid: e.get("reason") for rid, e in dreq.items() if e.get("status") == "failed"}
+    kv, canary = int(prefill.get("kv_bytes", 0)), int(prefill.get("canary_bytes", 0))
+    by_req: dict[str, list[str]] = {}
+    for v in decode.get("violations", []):
+        rid = str(v.get("request_id"))
+        for reason in v.get("reasons", []):
+            key = f"{v['tag']}:{reason}"
+            if key not in by_req.setdefault(rid, []):
+                by_req[rid].append(key)
+    return {
+        "device": cfg.device, "model": cfg.model, "requests": cfg.workload.count, "fault": cfg.fault.name.value,
+        "fault_target": cfg.fault.target, "victims": victims, "ok": ok, "failed": failed,
+        "detected": {rid: by_req.get(rid, []) for rid in victims},
+        "violations_by_request": by_req,
+        "prefill_violations": len(prefill.get("violations", [])),
+        "decode_violations": len(decode.get("violations", [])),
+        "outputs_match_reference": (all(outs.get(rid) == ref.get(rid) for rid in ok) if ref else None),
+        "errors": {"prefill": prefill.get("error"), "decode": decode.get("error")},
+        "exitcodes": {"prefill": prefill.get("exitcode"), "decode": decode.get("exitcode")},
+        "transfers": int(prefill.get("transfers", 0)),
+        "overhead": {"kv_bytes": kv, "canary_bytes": canary, "payload_bytes": int(prefill.get("payload_bytes", 0)),
+                     "canary_pct_of_kv": round(100.0 * canary / kv, 3) if kv else None},
+        "faults_fired": decode.get("faults_fired", []),
+        "seconds": {"prefill": prefill.get("seconds"), "decode": decode.get("seconds")},
+        "config": {"timeout_s": cfg.timeout_s, "backend": cfg.backend, "canary": cfg.canary,
+                   "workload": asdict(cfg.workload), "page_size": cfg.page_size},
+    }
+
+
+def launch(cfg: LaunchConfig) -> dict[str, Any]:
+    """Run both roles to completion (or kill them after a generous deadline) and summarize their reports."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    reports: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvcanary-disagg-") as tmp:
+        paths = [os.path.join(tmp, f"role{r}.json") for r in (PREFILL_RANK, DECODE_RANK)]
+        procs = [ctx.Process(target=_role_main, args=(r, cfg, port, paths[r]), daemon=True)
+                 for r in (PREFILL_RANK, DECODE_RANK)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 6 * cfg.timeout_s + 120
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for rank, p in enumerate(procs):
+            hung = p.is_alive()
+            if hung:
+                p.kill()
+                p.join()
+            rep: dict[str, Any] = json.loads(Path(paths[rank]).read_text()) if os.path.exists(paths[rank]) else {}
+            rep["exitcode"] = "hung" if hung else p.exitcode
+            reports.append(rep)
+    return summarize(cfg, reports[PREFILL_RANK], reports[DECODE_RANK])
