@@ -1,0 +1,236 @@
+"""CanaryConfig: every runtime knob in one frozen dataclass, validated, readable from KVCANARY_* variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcanary_schema import (
+    DEFAULT_FP_LAYER_STRIDE,
+    DEFAULT_REQ_CAPACITY,
+    DEFAULT_RING_CAPACITY,
+    DEFAULT_STATS_INTERVAL,
+    DEFAULT_SWEEP_CAPACITY,
+    DEFAULT_SWEEP_INTERVAL,
+    FingerprintMode,
+    TokenTruth,
+)
+
+from kvcanary.errors import CanaryInputError
+
+ENV_PREFIX = "KVCANARY_"
+
+
+class CanaryMode(str, enum.Enum):
+    """What happens on a violation: nothing installed, log it, or raise CanaryViolationError."""
+
+    NONE = "none"
+    LOG = "log"
+    RAISE = "raise"
+
+
+class LayerCoverage(str, enum.Enum):
+    """Which fingerprint sources (layers) are hashed: the first, all, or every ``layer_stride``-th."""
+
+    FIRST = "first"
+    ALL = "all"
+    SAMPLE = "sample"
+
+
+class CoveragePolicy(str, enum.Enum):
+    """Which prefix slots each forward verifies (DESIGN 5)."""
+
+    FULL = "full"
+    WINDOW = "window"
+
+
+class PerturbMode(str, enum.Enum):
+    """Self-test corruptions (kvcanary.perturb); each maps to the check that must catch it."""
+
+    REQ_TO_TOKEN = "req_to_token"
+    REAL_KV_USED = "real_kv_used"
+    REAL_KV_UNUSED_CACHED = "real_kv_unused_cached"
+    REAL_KV_POST_FORWARD = "real_kv_post_forward"
+    NEXT_TOKEN_SWAP = "next_token_swap"
+    SLOT_SWAP = "slot_swap"
+    USE_AFTER_FREE = "use_after_free"
+    RECORD_FLIP = "record_flip"
+    MULTI_BIT_FLIP = "multi_bit_flip"
+    TRANSFER_CORRUPTION = "transfer_corruption"
+
+
+@dataclass(frozen=True)
+class PerturbConfig:
+    """Perturbation settings: off unless a mode has probability > 0."""
+
+    probabilities: Mapping[PerturbMode, float] = field(default_factory=dict)
+    warmup_steps: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for mode, p in self.probabilities.items():
+            if not isinstance(mode, PerturbMode):
+                raise CanaryInputError(f"perturb.probabilities: unknown mode {mode!r}")
+            if not 0.0 <= p <= 1.0:
+                raise CanaryInputError(f"perturb.probabilities[{mode.value}] must be in [0, 1], got {p}")
+        if self.warmup_steps < 0:
+            raise CanaryInputError(f"perturb.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    @property
+    def enabled(self) -> bool:
+        """True when any mode can fire."""
+        return any(p > 0 for p in self.probabilities.values())
+
+    def probability(self, mode: PerturbMode) -> float:
+        """Probability of one mode per forward (0 when absent)."""
+        return float(self.probabilities.get(mode, 0.0))
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    """Every knob of the runtime. Invalid values raise CanaryInputError naming the knob."""
+
+    mode: CanaryMode = CanaryMode.LOG
+    fingerprint: FingerprintMode = FingerprintMode.NONE
+    layer_coverage: LayerCoverage = LayerCoverage.FIRST
+    layer_stride: int = DEFAULT_FP_LAYER_STRIDE  # used by LayerCoverage.SAMPLE
+    coverage: CoveragePolicy = CoveragePolicy.FULL
+    stripe_size: int = 256  # WINDOW policy: older slots verified per request per forward
+    window_links: int = 1  # WINDOW policy: newest prefix links verified every forward
+    sweep_interval: int = DEFAULT_SWEEP_INTERVAL  # forwards between sweeps; 0 = off
+    sweep_capacity: int = DEFAULT_SWEEP_CAPACITY
+    token_truth: TokenTruth = TokenTruth.CHAIN
+    input_asserts: bool = False  # WriteCheck.INPUTS
+    chain_position_assert: bool = True  # WriteCheck.CHAIN_POSITION
+    ring_capacity: int = DEFAULT_RING_CAPACITY
+    report_interval: int = 1  # forwards per reporting window
+    stats_interval: int = DEFAULT_STATS_INTERVAL  # forwards between stats lines; 0 = off
+    watchdog: bool = True
+    log_rate_limit: int = 20  # LOG mode: at most this many violation lines per reporting window
+    jsonl_path: str | None = None
+    req_capacity: int = DEFAULT_REQ_CAPACITY
+    token_capacity: int = 8192  # tokens per forward (static input buffers)
+    backend: str = "auto"  # auto / torch / cpu / cuda
+    perturb: PerturbConfig = field(default_factory=PerturbConfig)
+
+    def __post_init__(self) -> None:
+        _coerce(self, "mode", CanaryMode)
+        _coerce(self, "layer_coverage", LayerCoverage)
+        _coerce(self, "coverage", CoveragePolicy)
+        if not isinstance(self.fingerprint, FingerprintMode):
+            _coerce_named(self, "fingerprint", FingerprintMode)
+        if not isinstance(self.token_truth, TokenTruth):
+            _coerce_named(self, "token_truth", TokenTruth)
+        for knob, low in (("layer_stride", 1), ("stripe_size", 1), ("window_links", 1), ("sweep_interval", 0),
+                          ("sweep_capacity", 1), ("ring_capacity", 1), ("report_interval", 1),
+                          ("stats_interval", 0), ("log_rate_limit", 0), ("req_capacity", 1),
+                          ("token_capacity", 1)):
+            value = getattr(self, knob)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise CanaryInputError(f"CanaryConfig.{knob} must be an int >= {low}, got {value!r}")
+        if self.backend not in ("auto", "torch", "cpu", "cuda"):
+            raise CanaryInputError(f"CanaryConfig.backend must be auto/torch/cpu/cuda, got {self.backend!r}")
+        if self.mode == CanaryMode.NONE and self.perturb.enabled:
+            raise CanaryInputError("CanaryConfig.perturb needs mode log or raise (mode none installs nothing)")
+
+    def resolved_backend(self, device_type: str) -> str:
+        """The backend for data on ``device_type``: ``auto`` picks cuda on GPUs and torch elsewhere."""
+        if self.backend != "auto":
+            return self.backend
+        return "cuda" if device_type == "cuda" else "torch"
+
+    def layer_stride_for(self, num_sources: int) -> int:
+        """Layer stride handed to the fingerprint ops (source j is hashed at p iff (j + p) % stride == 0)."""
+        if self.layer_coverage == LayerCoverage.ALL:
+            return 1
+        if self.layer_coverage == LayerCoverage.SAMPLE:
+            return self.layer_stride
+        return 1  # FIRST: the manager hands only source 0
+
+    def replace(self, **changes: Any) -> CanaryConfig:
+        """A copy with some knobs changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CanaryConfig:
+        """Read KVCANARY_<KNOB> variables (upper-case field names; perturbation: KVCANARY_PERTURB_<MODE>_PROB,
+        KVCANARY_PERTURB_WARMUP_STEPS, KVCANARY_PERTURB_SEED); ``overrides`` win over the environment."""
+        env = os.environ if environ is None else environ
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "perturb":
+                continue
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                kwargs[f.name] = _parse(f.name, raw, cls)
+        probs: dict[PerturbMode, float] = {}
+        for mode in PerturbMode:
+            raw = env.get(f"{ENV_PREFIX}PERTURB_{mode.value.upper()}_PROB")
+            if raw is not None:
+                probs[mode] = _parse_float(f"PERTURB_{mode.value.upper()}_PROB", raw)
+        pk: dict[str, Any] = {"probabilities": probs}
+        for name in ("warmup_steps", "seed"):
+            raw = env.get(f"{ENV_PREFIX}PERTURB_{name.upper()}")
+            if raw is not None:
+                pk[name] = _parse_int(f"PERTURB_{name.upper()}", raw)
+        kwargs["perturb"] = PerturbConfig(**pk)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+_INT_KNOBS = {"layer_stride", "stripe_size", "window_links", "sweep_interval", "sweep_capacity", "ring_capacity",
+              "report_interval", "stats_interval", "log_rate_limit", "req_capacity", "token_capacity"}
+_BOOL_KNOBS = {"input_asserts", "chain_position_assert", "watchdog"}
+
+
+def _parse(name: str, raw: str, cls: type[CanaryConfig]) -> Any:
+    if name in _INT_KNOBS:
+        return _parse_int(name.upper(), raw)
+    if name in _BOOL_KNOBS:
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise CanaryInputError(f"{ENV_PREFIX}{name.upper()} must be a boolean (1/0/true/false), got {raw!r}")
+    if name == "jsonl_path":
+        return raw or None
+    return raw.strip().lower()
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise CanaryInputError(f"{ENV_PREFIX}{name} must be an integer, got {raw!r}") from None
+
+
+def _parse_float(name: str, raw: str) -> float:
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise CanaryInputError(f"{ENV_PREFIX}{name} must be a number, got {raw!r}") from None
+
+
+def _coerce(cfg: CanaryConfig, knob: str, enum_cls: type[enum.Enum]) -> None:
+    value = getattr(cfg, knob)
+    if isinstance(value, enum_cls):
+        return
+    try:
+        object.__setattr__(cfg, knob, enum_cls(str(value).lower()))
+    except ValueError:
+        allowed = "/".join(str(m.value) for m in enum_cls)
+        raise CanaryInputError(f"CanaryConfig.{knob} must be one of {allowed}, got {value!r}") from None
+
+
+def _coerce_named(cfg: CanaryConfig, knob: str, enum_cls: type[FingerprintMode] | type[TokenTruth]) -> None:
+    value = getattr(cfg, knob)
+    members = {m.name.lower(): m for m in enum_cls}
+    key = str(value).lower()
+    if key not in members:
+        raise CanaryInputError(f"CanaryConfig.{knob} must be one of {'/'.join(members)}, got {value!r}")
+    object.__setattr__(cfg, knob, members[key])

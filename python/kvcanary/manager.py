@@ -1,0 +1,631 @@
+"""The per-forward bracket: install() and CanaryManager (begin/pre/post/end forward, sweeps, reporting)."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from kvcanary_schema import (
+    NUM_COUNTER_COLS,
+    NUM_LAUNCH_TAGS,
+    NUM_PLAN_STATUS_COLS,
+    NUM_VIOLATION_COLS,
+    CounterCol,
+    Group,
+    Half,
+    LaunchTag,
+    PlanCol,
+    PlanFlag,
+    Stage,
+    TokenTruth,
+    WriteCheck,
+)
+
+from kvcanary.adapter import BatchView, EngineAdapter, PoolDescription, PrefixCacheExport, TransferBuffer
+from kvcanary.config import CanaryConfig, CanaryMode, CoveragePolicy
+from kvcanary.errors import CanaryInputError, KVCanaryError
+from kvcanary.health import CanaryHealthError, Health, HealthProblem
+from kvcanary.ops.hashes import to_i64
+from kvcanary.ops.plan import plan_forward
+from kvcanary.ops.scatter_tokens import scatter_tokens
+from kvcanary.ops.types import check_backend
+from kvcanary.ops.verify import verify
+from kvcanary.ops.write import write
+from kvcanary.perturb import Perturber
+from kvcanary.report import (
+    CanaryViolationError,
+    JsonlSink,
+    LogSink,
+    Metrics,
+    ReportSink,
+    StepBatch,
+    WindowReport,
+    decode_rows,
+)
+from kvcanary.state import CanaryState, GroupState
+from kvcanary.sweep import Sweeper
+from kvcanary.truth import ChainHasher
+
+logger = logging.getLogger("kvcanary")
+
+PrefixCacheFn = Callable[[], PrefixCacheExport | None]
+_KEEP_ALL = -1  # flag mask keeping every PlanFlag bit
+_NO_PREFIX = ~int(PlanFlag.EXPECT_PREFIX)
+_NO_NEW = ~int(PlanFlag.EXPECT_NEW)
+_SNAP_COUNTERS = NUM_LAUNCH_TAGS * NUM_COUNTER_COLS
+
+
+class CanaryBracketError(KVCanaryError, RuntimeError):
+    """The forward bracket was misused (nested, out of order, or a replay that does not match a capture)."""
+
+
+class ForwardKind(str, enum.Enum):
+    """How the device parts of a bracket run: eagerly, being captured into a CUDA graph, or replayed by one."""
+
+    EAGER = "eager"
+    CAPTURE = "capture"
+    REPLAY = "replay"
+
+
+class _Phase(enum.Enum):
+    IDLE = 0
+    BEGUN = 1
+    PRE = 2
+    POST = 3
+
+
+@dataclass
+class _Pending:
+    """A staged window whose snapshot is in flight to the host."""
+
+    index: int
+    first_step: int
+    last_step: int
+    expected: torch.Tensor
+    expected_forwards: int
+    sweeps: int
+
+
+class CanaryManager:
+    """Owns the device state of one pool and runs the canary around every forward of the engine.
+
+    Bracket (per forward): ``begin_forward(batch)`` (host: checks, token truth, perturbation, reporting) →
+    ``pre_forward()`` (device: plan, HEAD verify + write; capturable) → the engine's forward →
+    ``post_forward()`` (device: TAIL verify + write, fingerprints; capturable) → ``end_forward()`` (host:
+    post-forward perturbation, sweep, staging of the window). Under CUDA graphs, capture ``pre_forward`` and
+    ``post_forward`` with the model, call ``begin_forward(batch, kind="capture")`` around the capture and
+    ``begin_forward(batch, kind="replay")`` / ``end_forward()`` around every replay.
+    """
+
+    def __init__(self, pool: PoolDescription, config: CanaryConfig, prefix_cache: PrefixCacheFn | None = None,
+                 sinks: Sequence[ReportSink] = ()) -> None:
+        self.config = config
+        self.pool = pool
+        self.enabled = config.mode != CanaryMode.NONE
+        self.metrics = Metrics()
+        self.reports: deque[WindowReport] = deque(maxlen=64)
+        self.sinks: list[ReportSink] = []
+        self.health = Health(config.stats_interval, config.watchdog)
+        self._phase = _Phase.IDLE
+        self._kind = ForwardKind.EAGER
+        self.forwards = 0  # host-side forwards (eager + replayed)
+        if not self.enabled:
+            return
+        pool.validate()
+        self.device = torch.device(pool.device)
+        self.backend = check_backend(config.resolved_backend(self.device.type), self.device)
+        self.state = CanaryState(pool, config)
+        self.prefix_cache = prefix_cache
+        self.sweeper = Sweeper(self.state, self.backend)
+        self.hasher = ChainHasher(pool.token_offset)
+        self.perturber = Perturber(self.state, config.perturb, config.fingerprint)
+        self.sinks = [LogSink(config.log_rate_limit), self.metrics]
+        if config.jsonl_path:
+            self.sinks.append(JsonlSink(config.jsonl_path))
+        self.sinks += list(sinks)
+        self._checks = (int(WriteCheck.CHAIN_POSITION) if config.chain_position_assert else 0) | \
+            (int(WriteCheck.INPUTS) if config.input_asserts else 0)
+        self._bs = 0
+        self._nt = 0
+        self._table: torch.Tensor | None = None
+        self._captured: set[tuple[int, int, int]] = set()
+        self._step_batches: dict[int, StepBatch] = {}
+        self._pool_rows: dict[Hashable, tuple[int, int]] = {}  # POOL truth: request -> (row, tokens uploaded)
+        self._cursor: dict[Hashable, int] = {}  # WINDOW policy: request -> stripe cursor
+        self._last_seen: dict[Hashable, int] = {}
+        self._window_first = 1
+        self._stage_next = 0
+        self._pending: deque[_Pending] = deque()
+        self._upload_index = 0
+        self._upload_events: list[object | None] = [None, None]
+        self._sweeps_staged = 0
+        self._last_counters = torch.zeros(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS, dtype=torch.int64)
+        self._violations_total = 0
+        self._per_forward = self._launches_per_forward()
+        n_groups = len(self.state.groups)
+        size = _SNAP_COUNTERS + 3 + n_groups * NUM_PLAN_STATUS_COLS + config.ring_capacity * NUM_VIOLATION_COLS
+        pin = self.device.type == "cuda"
+        self._snap_dev = [torch.zeros(size, dtype=torch.int64, device=self.device) for _ in range(2)]
+        self._snap_host = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) if pin else self._snap_dev[i]
+                           for i in range(2)]
+        self._snap_events: list[object | None] = [None, None]
+        if config.sweep_interval and prefix_cache is None:
+            logger.info("kvcanary: sweep_interval=%d but no prefix-cache export: sweeps are off",
+                        config.sweep_interval)
+        logger.info("kvcanary installed: mode=%s backend=%s groups=%s halves=%s fingerprint=%s coverage=%s "
+                    "token_truth=%s device_bytes=%d", config.mode.value, self.backend,
+                    [g.spec.group.name for g in self.state.groups], [g.spec.halves for g in self.state.groups],
+                    config.fingerprint.name, config.coverage.value, config.token_truth.name,
+                    self.state.device_bytes())
+
+    # ------------------------------------------------------------------ bracket
+
+    def begin_forward(self, batch: BatchView, kind: ForwardKind | str = ForwardKind.EAGER) -> None:
+        """Host part before the forward: report the last window, check capacities, upload token truth, perturb."""
+        if not self.enabled:
+            return
+        if self._phase != _Phase.IDLE:
+            raise CanaryBracketError(f"begin_forward while a forward is open (phase {self._phase.name}); "
+                                     "brackets do not nest")
+        kind = ForwardKind(kind)
+        st = self.state
+        if kind == ForwardKind.CAPTURE and self.device.type != "cuda":
+            raise CanaryBracketError("kind='capture' needs a CUDA device")
+        batch.validate(self.pool, self.config.req_capacity, self.config.token_capacity)
+        key = (batch.batch_size, batch.num_tokens, batch.req_to_token.data_ptr())
+        if kind == ForwardKind.REPLAY and key not in self._captured:
+            raise CanaryBracketError(f"replay of a batch shape (bs={key[0]}, tokens={key[1]}) / slot table that was "
+                                     "never captured")
+        self._collect_ready(block=False)
+        step = self.forwards + 1
+        sweep_due = self._sweep_due(step)
+        if kind != ForwardKind.CAPTURE:
+            self.perturber.before_forward(batch, step, self._export() if sweep_due and self.perturber.wants_export()
+                                          else None)
+        self._upload(batch, kind)
+        bs, nt = batch.batch_size, batch.num_tokens
+        st.req_pool_indices[:bs].copy_(batch.req_pool_indices, non_blocking=True)
+        st.prefix_lens[:bs].copy_(batch.prefix_lens, non_blocking=True)
+        st.extend_lens[:bs].copy_(batch.extend_lens, non_blocking=True)
+        st.input_ids[:nt].copy_(batch.input_ids, non_blocking=True)
+        st.positions[:nt].copy_(batch.positions, non_blocking=True)
+        st.out_cache_loc[:nt].copy_(batch.out_cache_loc, non_blocking=True)
+        self._bs, self._nt, self._table = bs, nt, batch.req_to_token
+        if kind == ForwardKind.CAPTURE:
+            self._captured.add(key)
+        else:
+            offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
+            self._step_batches[step] = StepBatch(tuple(batch.request_ids), offset)
+        self._batch = batch
+        self._kind = kind
+        self._phase = _Phase.BEGUN
+
+    def pre_forward(self) -> None:
+        """Device part before the model forward: plan, HEAD verify and write. No syncs, no allocations."""
+        if not self.enabled:
+            return
+        if self._phase != _Phase.BEGUN or self._kind == ForwardKind.REPLAY:
+            raise CanaryBracketError(f"pre_forward needs an open eager/capture forward (phase {self._phase.name}, "
+                                     f"kind {self._kind.value})")
+        st = self.state
+        st.sink.step.add_(1)
+        st.phase[0:1].add_(1)
+        for gi, g in enumerate(st.groups):
+            self._plan(g)
+            self._verify(g, Stage.HEAD)
+            self._write(g, Stage.HEAD)
+            torch.maximum(st.window_status[gi], g.status, out=st.window_status[gi])
+        self._phase = _Phase.PRE
+
+    def post_forward(self) -> None:
+        """Device part after the model forward: TAIL verify and write with fingerprints. No syncs, no allocations."""
+        if not self.enabled:
+            return
+        if self._phase != _Phase.PRE:
+            raise CanaryBracketError(f"post_forward without pre_forward (phase {self._phase.name})")
+        st = self.state
+        for g in st.groups:
+            self._verify(g, Stage.TAIL)
+            self._write(g, Stage.TAIL)
+        st.phase[1:2].add_(1)
+        self._phase = _Phase.POST
+
+    def end_forward(self) -> WindowReport | None:
+        """Host part after the forward: post-forward perturbation, sweep when due, staging of the window.
+
+        Returns the report of a window collected now (CPU: this forward's window; CUDA: an earlier one).
+        """
+        if not self.enabled:
+            return None
+        want = _Phase.BEGUN if self._kind == ForwardKind.REPLAY else _Phase.POST
+        if self._phase != want:
+            raise CanaryBracketError(f"end_forward in phase {self._phase.name}, expected {want.name} for a "
+                                     f"{self._kind.value} forward")
+        self._phase = _Phase.IDLE
+        if self._kind == ForwardKind.CAPTURE:
+            return None
+        self.forwards += 1
+        self.health.expected_forwards += 1
+        for tag, v, w in self._per_forward:
+            self.health.expect(tag, v, w)
+        self.perturber.after_forward(self._batch, self.forwards)
+        if self._sweep_due(self.forwards):
+            self.sweep()
+        self._prune(self.forwards)
+        if self.forwards % self.config.report_interval == 0:
+            self._stage()
+            return self._collect_ready(block=self.device.type != "cuda")
+        return None
+
+    @contextmanager
+    def forward(self, batch: BatchView, kind: ForwardKind | str = ForwardKind.EAGER) -> Iterator[CanaryManager]:
+        """``with manager.forward(batch): pre_forward(); model(); post_forward()`` — begin and end around it."""
+        self.begin_forward(batch, kind)
+        ok = False
+        try:
+            yield self
+            ok = True
+        finally:
+            if ok:
+                self.end_forward()
+            elif self.enabled:
+                self._phase = _Phase.IDLE
+
+    # ------------------------------------------------------------------ public helpers
+
+    def sweep(self, export: PrefixCacheExport | None = None) -> bool:
+        """Verify every cached chain now (eager); False when there is nothing to sweep (no export)."""
+        if not self.enabled:
+            return False
+        if self._phase != _Phase.IDLE:
+            raise CanaryBracketError("sweep inside an open forward")
+        export = export if export is not None else self._export()
+        if export is None:
+            return False
+        chunks = self.sweeper.run(export)
+        for g in self.state.groups:
+            for h in range(g.spec.halves):
+                self.health.expect(int(LaunchTag.of(Stage.SWEEP, Half(h), g.spec.group)), chunks, 0)
+        self._sweeps_staged += 1
+        return True
+
+    def flush(self) -> WindowReport | None:
+        """Stage the open window and collect everything in flight (blocking); the last report or None."""
+        if not self.enabled:
+            return None
+        if self._phase != _Phase.IDLE:
+            raise CanaryBracketError("flush inside an open forward")
+        self._stage()
+        return self._collect_ready(block=True)
+
+    def release(self, request_id: Hashable) -> None:
+        """Forget a finished request's token truth and stripe cursor."""
+        if not self.enabled:
+            return
+        self.hasher.drop(request_id)
+        self._pool_rows.pop(request_id, None)
+        self._cursor.pop(request_id, None)
+        self._last_seen.pop(request_id, None)
+
+    def add_sink(self, sink: ReportSink) -> None:
+        """Also send every window to ``sink``."""
+        self.sinks.append(sink)
+
+    def transfer_buffers(self) -> list[TransferBuffer]:
+        """Canary record buffers (per group, HEAD and TAIL) to send with the KV in a prefill->decode transfer."""
+        return self.state.transfer_buffers() if self.enabled else []
+
+    @property
+    def sweeps_completed(self) -> int:
+        """Sweeps whose results came back."""
+        return self.sweeper.completed if self.enabled else 0
+
+    # ------------------------------------------------------------------ device parts
+
+    def _plan(self, g: GroupState) -> None:
+        st, bs, nt, cfg = self.state, self._bs, self._nt, self.config
+        assert self._table is not None
+        chain = cfg.token_truth == TokenTruth.CHAIN
+        window = g.window if g.stripe_plan is None else cfg.window_links
+        plan_forward(g.plan, g.status, st.req_pool_indices[:bs], st.prefix_lens[:bs], st.extend_lens[:bs],
+                     self._table, nt, window=window, padding_row=self.pool.padding_row,
+                     expect_prefix=st.expect_prefix[:bs] if chain else None,
+                     expect_new=st.expect_new[:bs] if chain else None, backend=self.backend)
+        if chain:  # keep EXPECT_* only where the host knew the truth
+            torch.clamp(g.plan[:, PlanCol.BATCH_INDEX], 0, cfg.req_capacity - 1, out=st.seg_index)
+            torch.index_select(st.flag_mask, 0, st.seg_index, out=st.seg_mask)
+            g.plan[:, PlanCol.FLAGS].bitwise_and_(st.seg_mask)
+        if g.stripe_plan is not None and g.stripe_status is not None:
+            plan_forward(g.stripe_plan, g.stripe_status, st.req_pool_indices[:bs], st.stripe_end[:bs],
+                         st.zeros[:bs], self._table, nt, window=cfg.stripe_size, padding_row=self.pool.padding_row,
+                         backend=self.backend)
+
+    def _verify(self, g: GroupState, stage: Stage) -> None:
+        st = self.state
+        fp = g.fingerprint if stage == Stage.TAIL else None
+        assert self._table is not None
+        verify(g.views(stage), stage, g.plan, g.status, self._table, st.sink, token_pool=st.token_pool,
+               fingerprint=fp, backend=self.backend)
+        if g.stripe_plan is not None and g.stripe_status is not None:
+            verify(g.views(stage), stage, g.stripe_plan, g.stripe_status, self._table, st.sink,
+                   token_pool=st.token_pool, fingerprint=fp, backend=self.backend)
+
+    def _write(self, g: GroupState, stage: Stage) -> None:
+        st, nt = self.state, self._nt
+        assert self._table is not None
+        write(g.views(stage), stage, g.plan, g.status, self._table, st.input_ids[:nt], st.positions[:nt],
+              st.out_cache_loc[:nt], st.sink, checks=self._checks, token_pool=st.token_pool,
+              fingerprint=g.fingerprint if stage == Stage.TAIL else None, backend=self.backend)
+
+    def _launches_per_forward(self) -> list[tuple[int, int, int]]:
+        out = []
+        for g in self.state.groups:
+            verifies = 2 if g.stripe_plan is not None else 1
+            for stage in (Stage.HEAD, Stage.TAIL):
+                for h in range(g.spec.halves):
+                    out.append((int(LaunchTag.of(stage, Half(h), g.spec.group)), verifies, 1))
+        return out
+
+    # ------------------------------------------------------------------ host parts
+
+    def _sweep_due(self, step: int) -> bool:
+        iv = self.config.sweep_interval
+        return bool(iv) and self.prefix_cache is not None and step % iv == 0
+
+    def _export(self) -> PrefixCacheExport | None:
+        return self.prefix_cache() if self.prefix_cache is not None else None
+
+    def _upload(self, batch: BatchView, kind: ForwardKind) -> None:
+        """Token truth (chain values / expected-token pool) and stripe ends into the static buffers."""
+        cfg, st, bs = self.config, self.state, batch.batch_size
+        truth = batch.true_tokens if cfg.token_truth != TokenTruth.OFF else None
+        offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
+        if offset != self.hasher.offset:
+            self.hasher = ChainHasher(offset)
+        stripe = cfg.coverage == CoveragePolicy.WINDOW
+        chain = truth is not None and cfg.token_truth == TokenTruth.CHAIN
+        rows: list[list[int]] = [[0] * bs, [0] * bs, [_KEEP_ALL] * bs, [0] * bs]
+        pool_req: list[tuple[int, int, int, Sequence[int]]] = []
+        for i in range(bs):
+            rid, row = batch.request_ids[i], batch.req_pool_indices_host[i]
+            pre, ext = batch.prefix_lens_host[i], batch.extend_lens_host[i]
+            if rid is None or row == self.pool.padding_row:
+                rows[2][i] = _NO_PREFIX & _NO_NEW
+                continue
+            self._last_seen[rid] = self.forwards + 1
+            if stripe:
+                rows[3][i] = self._stripe(rid, pre, kind)
+            elif kind != ForwardKind.CAPTURE:
+                self.health.coverage.observe(rid, pre, pre)
+            if truth is None:
+                rows[2][i] = _NO_PREFIX & _NO_NEW
+                continue
+            hist = truth[i]
+            if chain:
+                rows[0][i], rows[1][i], rows[2][i] = self._chain_truth(rid, hist, pre, ext, offset)
+            else:
+                pool_req.append(self._pool_truth(rid, row, hist, pre + ext + offset))
+        if not chain:
+            rows[2] = [_NO_PREFIX & _NO_NEW] * bs
+        k = self._upload_index
+        self._upload_index ^= 1
+        ev = self._upload_events[k]
+        if ev is not None:
+            ev.synchronize()  # type: ignore[attr-defined]
+        host = st.upload[k]
+        host[:, :bs].copy_(torch.tensor(rows, dtype=torch.int64))
+        for j, dst in enumerate((st.expect_prefix, st.expect_new, st.flag_mask, st.stripe_end)):
+            dst[:bs].copy_(host[j, :bs], non_blocking=True)
+        if self.device.type == "cuda":
+            e = torch.cuda.Event()
+            e.record()
+            self._upload_events[k] = e
+        if pool_req:
+            self._scatter(pool_req)
+
+    def _chain_truth(self, rid: Hashable, hist: Sequence[int], pre: int, ext: int, offset: int) -> tuple[int, int, int]:
+        """(expect_prefix, expect_new, flag mask) from the true history, in O(new tokens)."""
+        hs, known = self.hasher, len(hist)
+        want_pre, want_new = pre + offset, pre + ext + offset
+        if hs.length(rid) > want_pre:
+            hs.drop(rid)  # history rewound (retract, rollback): rebuild once
+        n = hs.length(rid)
+        reach = min(known, want_pre)
+        if reach > n:
+            hs.extend(rid, hist[n:reach], n)
+        mask, ep, en = _KEEP_ALL, 0, 0
+        if pre > 0 and known >= want_pre:
+            ep = to_i64(hs.value(rid))
+        else:
+            mask &= _NO_PREFIX
+        if ext > 0 and known >= want_new and hs.length(rid) == want_pre:
+            en = to_i64(hs.extend(rid, hist[want_pre:want_new], want_pre))
+        else:
+            mask &= _NO_NEW
+        return ep, en, mask
+
+    def _pool_truth(self, rid: Hashable, row: int, hist: Sequence[int], need: int) -> tuple[int, int, int,
+                                                                                             Sequence[int]]:
+        """(row, start, count, tokens) appending the request's not yet uploaded true tokens to its pool row."""
+        prev_row, done = self._pool_rows.get(rid, (row, 0))
+        if prev_row != row:
+            done = 0
+        upto = min(len(hist), need, self.state.token_pool.tokens.shape[1] if self.state.token_pool else 0)
+        start = min(done, upto)
+        self._pool_rows[rid] = (row, upto)
+        return row, start, upto - start, hist[start:upto]
+
+    def _scatter(self, reqs: list[tuple[int, int, int, Sequence[int]]]) -> None:
+        st = self.state
+        assert st.token_pool is not None
+        d = self.device
+        flat = [t for _, _, _, toks in reqs for t in toks]
+        meta = torch.tensor([[r for r, _, _, _ in reqs], [s for _, s, _, _ in reqs], [c for _, _, c, _ in reqs]],
+                            dtype=torch.int64).to(d, non_blocking=True)
+        tokens = torch.tensor(flat, dtype=torch.int64).to(d, non_blocking=True)
+        scatter_tokens(st.token_pool, meta[0], meta[1], meta[2], tokens, st.scatter_status, backend=self.backend)
+
+    def _stripe(self, rid: Hashable, pre: int, kind: ForwardKind) -> int:
+        """WINDOW policy: end of this forward's stripe of older slots (a host cursor per request)."""
+        cfg = self.config
+        older = max(0, pre - cfg.window_links)
+        if older == 0:
+            if kind != ForwardKind.CAPTURE:
+                self.health.coverage.observe(rid, pre, pre)
+            return 0
+        cur = self._cursor.get(rid, 0)
+        if cur >= older:
+            cur = 0
+        end = min(older, cur + cfg.stripe_size)
+        if kind != ForwardKind.CAPTURE:
+            self._cursor[rid] = end
+            self.health.coverage.observe(rid, pre, min(pre, cfg.window_links) + min(cfg.stripe_size, end))
+        return end
+
+    def _prune(self, step: int, horizon: int = 4096) -> None:
+        if step % horizon:
+            return
+        stale = [rid for rid, seen in self._last_seen.items() if step - seen > horizon]
+        for rid in stale:
+            self.release(rid)
+        for s in [s for s in self._step_batches if s < self._window_first - 2 * self.config.report_interval]:
+            del self._step_batches[s]
+
+    # ------------------------------------------------------------------ reporting
+
+    def _stage(self) -> None:
+        """Snapshot counters, ring and plan status of the window on the main stream, reset the ring; copy out."""
+        st = self.state
+        k = self._stage_next
+        self._stage_next ^= 1
+        ev = self._snap_events[k]
+        if ev is not None:  # the buffer's previous window must have been collected
+            self._collect_ready(block=True)
+        snap = self._snap_dev[k]
+        o = 0
+        for src in (st.sink.counters.view(-1), st.sink.count, st.phase, st.window_status.view(-1),
+                    st.sink.rows.view(-1)):
+            snap[o:o + src.numel()].copy_(src)
+            o += src.numel()
+        st.sink.count.zero_()
+        st.window_status.zero_()
+        if self.device.type == "cuda":
+            stream = st.stream
+            assert stream is not None
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._snap_host[k].copy_(snap, non_blocking=True)
+                e = torch.cuda.Event()
+                e.record(stream)
+            self._snap_events[k] = e
+        else:
+            self._snap_events[k] = True
+        self._pending.append(_Pending(k, self._window_first, self.forwards, self.health.expected.clone(),
+                                      self.health.expected_forwards, self._sweeps_staged))
+        self._sweeps_staged = 0
+        self._window_first = self.forwards + 1
+
+    def _collect_ready(self, block: bool) -> WindowReport | None:
+        last = None
+        while self._pending:
+            p = self._pending[0]
+            ev = self._snap_events[p.index]
+            if isinstance(ev, torch.cuda.Event):
+                if not block and not ev.query():
+                    break
+                ev.synchronize()
+            self._pending.popleft()
+            self._snap_events[p.index] = None
+            last = self._report(p)
+        return last
+
+    def _report(self, p: _Pending) -> WindowReport:
+        cfg, st = self.config, self.state
+        snap = self._snap_host[p.index]
+        o = 0
+
+        def take(n: int) -> torch.Tensor:
+            nonlocal o
+            out = snap[o:o + n]
+            o += n
+            return out
+        counters = take(_SNAP_COUNTERS).view(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS).clone()
+        ring_total = int(take(1)[0])
+        phase = take(2).clone()
+        plan_status = take(len(st.groups) * NUM_PLAN_STATUS_COLS).view(len(st.groups), NUM_PLAN_STATUS_COLS).clone()
+        rows = take(cfg.ring_capacity * NUM_VIOLATION_COLS).view(cfg.ring_capacity, NUM_VIOLATION_COLS)
+        kept = rows[:min(ring_total, cfg.ring_capacity)].clone()
+        delta = counters - self._last_counters
+        self._last_counters = counters
+        by_tag = {LaunchTag(t): int(n) for t, n in enumerate(delta[:, CounterCol.VIOLATIONS].tolist()) if n}
+        total = int(delta[:, CounterCol.VIOLATIONS].sum())
+        self._violations_total += total
+        report = WindowReport(p.first_step, p.last_step, decode_rows(kept, self._step_batches), total, ring_total,
+                              max(0, ring_total - cfg.ring_capacity), by_tag, delta)
+        for s in range(p.first_step, p.last_step + 1):
+            self._step_batches.pop(s, None)
+        self.sweeper.completed += p.sweeps
+        if p.sweeps:
+            logger.info("kvcanary: sweep completed (total %d) with results through step %d", self.sweeper.completed,
+                        p.last_step)
+        saved = self.health.expected
+        self.health.expected = p.expected
+        saved_fw = self.health.expected_forwards
+        self.health.expected_forwards = p.expected_forwards
+        problems = self.health.check(counters, phase, plan_status, report.dropped, cfg.ring_capacity)
+        self.health.expected, self.health.expected_forwards = saved, saved_fw
+        self.metrics.counters["forwards"] = self.forwards
+        self.metrics.counters["sweeps_completed"] = self.sweeper.completed
+        self.metrics.counters["health_problems"] += len(problems)
+        self.metrics.counters["perturbations"] = len(self.perturber.events)
+        self.metrics.gauges["coverage"] = self.health.coverage.fraction()
+        self.reports.append(report)
+        self._dispatch(report, problems)
+        line = self.health.stats(p.last_step, counters, self.sweeper.completed, self._violations_total)
+        if line:
+            logger.info(line)
+        return report
+
+    def _dispatch(self, report: WindowReport, problems: list[HealthProblem]) -> None:
+        raising = self.config.mode == CanaryMode.RAISE
+        for sink in self.sinks:
+            if report.total == 0 and sink is not self.metrics:
+                continue
+            try:
+                sink(report)
+            except Exception:  # a broken sink must not take the engine down in LOG mode
+                if raising:
+                    raise
+                logger.exception("kvcanary: report sink %r failed", sink)
+        for pr in problems:
+            logger.warning(pr.message)
+        if not raising:
+            return
+        if report.total:
+            raise CanaryViolationError(report)
+        hard = [pr for pr in problems if pr.kind in ("watchdog", "phase")]
+        if hard:
+            raise CanaryHealthError("; ".join(pr.message for pr in hard))
+
+
+def install(pool: PoolDescription | EngineAdapter, config: CanaryConfig | None = None, *,
+            prefix_cache: PrefixCacheFn | None = None, sinks: Sequence[ReportSink] = ()) -> CanaryManager:
+    """Allocate every device buffer once and return the manager (mode NONE: a manager whose bracket does nothing).
+
+    ``pool`` is a PoolDescription, or an EngineAdapter whose prefix-cache export feeds the sweep.
+    ``config`` defaults to ``CanaryConfig.from_env()``.
+    """
+    cfg = config if config is not None else CanaryConfig.from_env()
+    if not isinstance(pool, PoolDescription):
+        adapter = pool
+        pool = adapter.pool_description()
+        if prefix_cache is None:
+            prefix_cache = adapter.prefix_cache_export
+    if not isinstance(pool, PoolDescription):
+        raise CanaryInputError(f"install needs a PoolDescription or an EngineAdapter, got {type(pool).__name__}")
+    return CanaryManager(pool, cfg, prefix_cache, sinks)

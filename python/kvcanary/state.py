@@ -1,0 +1,165 @@
+"""Device state allocated once at install: records, plans, sink, staging, static batch buffers, token pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kvcanary_schema import (
+    NUM_COUNTER_COLS,
+    NUM_LAUNCH_TAGS,
+    NUM_PLAN_COLS,
+    NUM_PLAN_STATUS_COLS,
+    NUM_VIOLATION_COLS,
+    RECORD_NUM_FIELDS,
+    Group,
+    Stage,
+    TokenTruth,
+)
+
+from kvcanary.adapter import GroupSpec, PoolDescription, TransferBuffer
+from kvcanary.config import CanaryConfig, CoveragePolicy, LayerCoverage
+from kvcanary.errors import CanaryInputError
+from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, TokenPool
+
+
+def _i64(*shape: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=torch.int64, device=device)
+
+
+@dataclass
+class GroupState:
+    """One pool group's canary state: HEAD and TAIL records, plans and fingerprint."""
+
+    spec: GroupSpec
+    head: GroupView
+    tail: GroupView
+    plan: torch.Tensor  # int64 [req_capacity, NUM_PLAN_COLS]
+    status: torch.Tensor  # int64 [NUM_PLAN_STATUS_COLS]
+    stripe_plan: torch.Tensor | None  # WINDOW policy (FULL group): the rotating stripe of older slots
+    stripe_status: torch.Tensor | None
+    fingerprint: Fingerprint | None
+
+    @property
+    def window(self) -> int:
+        """Window handed to plan_forward for the per-forward verify range."""
+        return self.spec.window
+
+    def views(self, stage: Stage) -> GroupView:
+        """Records of a stage (SWEEP reuses TAIL)."""
+        return self.head if stage == Stage.HEAD else self.tail
+
+
+@dataclass
+class Staging:
+    """One snapshot of the device counters taken at the end of a reporting window (host side once copied)."""
+
+    counters: torch.Tensor  # [NUM_LAUNCH_TAGS, NUM_COUNTER_COLS]
+    count: torch.Tensor  # [1]
+    rows: torch.Tensor  # [ring capacity, NUM_VIOLATION_COLS]
+    phase: torch.Tensor  # [2]
+    plan_status: torch.Tensor  # [groups, NUM_PLAN_STATUS_COLS]: max over the window's forwards
+    event: object | None = None  # torch.cuda.Event on CUDA
+
+
+class CanaryState:
+    """Every device buffer of one installed canary; sizes are fixed here and never change."""
+
+    def __init__(self, pool: PoolDescription, config: CanaryConfig) -> None:
+        pool.validate()
+        self.device = torch.device(pool.device)
+        self.pool = pool
+        self.config = config
+        d = self.device
+        rc, tc = config.req_capacity, config.token_capacity
+        self.groups: list[GroupState] = [self._group(spec) for spec in pool.groups]
+        self.sink = Sink.allocate(config.ring_capacity, d)
+        # pre-forward count [0] and post-forward count [1]: advanced inside the (captured) bracket
+        self.phase = _i64(2, device=d)
+        # a running max of plan status over the reporting window (input errors, overflow)
+        self.window_status = _i64(len(self.groups), NUM_PLAN_STATUS_COLS, device=d)
+        # static batch buffers: the bracket's device parts read only these
+        self.req_pool_indices = _i64(rc, device=d)
+        self.prefix_lens = _i64(rc, device=d)
+        self.extend_lens = _i64(rc, device=d)
+        self.expect_prefix = _i64(rc, device=d)
+        self.expect_new = _i64(rc, device=d)
+        self.flag_mask = torch.full((rc,), -1, dtype=torch.int64, device=d)  # per request: PlanFlag bits kept
+        self.input_ids = _i64(tc, device=d)
+        self.positions = _i64(tc, device=d)
+        self.out_cache_loc = _i64(tc, device=d)
+        # WINDOW policy scratch
+        self.arange = torch.arange(rc, dtype=torch.int64, device=d)
+        self.zeros = _i64(rc, device=d)
+        self.stripe_a = _i64(rc, device=d)
+        self.stripe_b = _i64(rc, device=d)
+        self.stripe_end = _i64(rc, device=d)
+        self.seg_index = _i64(rc, device=d)
+        self.seg_mask = _i64(rc, device=d)
+        self.sweep_plan = _i64(config.sweep_capacity, NUM_PLAN_COLS, device=d)
+        self.sweep_status = _i64(NUM_PLAN_STATUS_COLS, device=d)
+        self.token_pool: TokenPool | None = None
+        if config.token_truth == TokenTruth.POOL:
+            width = pool.max_context + pool.token_offset
+            self.token_pool = TokenPool(_i64(pool.req_rows, width, device=d), _i64(pool.req_rows, device=d),
+                                        pool.token_offset)
+            self.scatter_status = _i64(1, device=d)
+        pin = d.type == "cuda"
+        self.staging = [self._staging(pin) for _ in range(2)]
+        self.upload = [torch.zeros(4, rc, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.stream = torch.cuda.Stream(device=d) if d.type == "cuda" else None
+
+    def _group(self, spec: GroupSpec) -> GroupState:
+        d, cfg = self.device, self.config
+        swa_map = spec.swa_map if spec.group == Group.SWA else None
+        head = GroupView(_i64(spec.num_slots, spec.halves, RECORD_NUM_FIELDS, device=d), spec.group,
+                         spec.reserved_slots, swa_map)
+        tail = GroupView(_i64(spec.num_slots, spec.halves, RECORD_NUM_FIELDS, device=d), spec.group,
+                         spec.reserved_slots, swa_map)
+        fp = None
+        if cfg.fingerprint.value != 0:
+            if spec.sources is None:
+                raise CanaryInputError(f"fingerprint {cfg.fingerprint.name} needs real-KV sources for group "
+                                       f"{spec.group.name} (GroupSpec.sources)")
+            halves = [list(h[:1]) if cfg.layer_coverage == LayerCoverage.FIRST else list(h) for h in spec.sources]
+            fp = Fingerprint(FingerprintSources(halves, spec.num_slots), cfg.fingerprint,
+                             cfg.layer_stride_for(len(halves[0])))
+        stripe = cfg.coverage == CoveragePolicy.WINDOW and spec.group == Group.FULL
+        return GroupState(
+            spec, head, tail, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), _i64(NUM_PLAN_STATUS_COLS, device=d),
+            _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d) if stripe else None,
+            _i64(NUM_PLAN_STATUS_COLS, device=d) if stripe else None, fp)
+
+    def _staging(self, pin: bool) -> Staging:
+        def host(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int64, pin_memory=pin)
+        return Staging(host(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS), host(1), host(self.config.ring_capacity,
+                       NUM_VIOLATION_COLS), host(2), host(len(self.groups), NUM_PLAN_STATUS_COLS))
+
+    def transfer_buffers(self) -> list[TransferBuffer]:
+        """The canary records to send with the KV in a prefill->decode transfer, indexable by slot."""
+        out: list[TransferBuffer] = []
+        for g in self.groups:
+            name = g.spec.group.name.lower()
+            out.append((f"kvcanary.{name}.head", g.head.records))
+            out.append((f"kvcanary.{name}.tail", g.tail.records))
+        return out
+
+    def device_bytes(self) -> int:
+        """Bytes of device memory held by the canary (for capacity planning)."""
+        seen: set[int] = set()
+        total = 0
+        for t in self._tensors():
+            if t.device.type == self.device.type and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def _tensors(self) -> list[torch.Tensor]:
+        ts = [self.sink.rows, self.sink.count, self.sink.counters, self.sink.step, self.phase, self.window_status,
+              self.sweep_plan, self.sweep_status]
+        for g in self.groups:
+            ts += [g.head.records, g.tail.records, g.plan, g.status]
+        if self.token_pool is not None:
+            ts += [self.token_pool.tokens, self.token_pool.lens]
+        return ts
