@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
 from kvcanary.engine import ModelConfig, Request, SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """The models are tiny: intra-op threads only add overhead (and contention on small boxes)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture
