@@ -110,22 +110,33 @@ struct WriteSeed {
   int64_t prev_pos;  // position of the seed record (-1 for a chain head)
 };
 
-// Seed of one segment and half; emits the INPUT_ERROR row itself when the seed does not resolve.
-KVC_HD WriteSeed write_seed(const WriteArgs& a, const int64_t* row, int64_t half) {
+// Seed of one segment and half, without reporting (ok = false when the seed does not resolve).
+KVC_HD WriteSeed write_seed_value(const WriteArgs& a, const int64_t* row, int64_t half) {
   if (plan_flag(row, PlanFlag::SEED_IS_HEAD)) return WriteSeed{true, chain_h0(), -1};
-  const int64_t seed_slot = plan_at(row, PlanCol::SEED_SLOT);
-  const Resolved r = resolve_slot(a.group, seed_slot);
+  const Resolved r = resolve_slot(a.group, plan_at(row, PlanCol::SEED_SLOT));
   if (r.status == SlotStatus::kOk) {
     const CanaryRecord& rec = write_record(a, r.slot, half);
     if (chain_value_ok(rec.token) && chain_value_ok(rec.position)) {
       return WriteSeed{true, chain_step(static_cast<uint64_t>(rec.prev_hash), rec.token, rec.position), rec.position};
     }
   }
+  return WriteSeed{false, 0, 0};
+}
+
+// The INPUT_ERROR row of a seed that does not resolve.
+KVC_HD void write_emit_seed_error(const WriteArgs& a, const int64_t* row, int64_t half) {
+  const int64_t seed_slot = plan_at(row, PlanCol::SEED_SLOT);
   Violation v = write_row_base(a, row, half, bits(FailReason::INPUT_ERROR));
   v[ViolationCol::SLOT] = seed_slot;
   v[ViolationCol::POSITION] = plan_at(row, PlanCol::PREFIX_LEN) - 1;
   write_emit_input_error(a, v, half);
-  return WriteSeed{false, 0, 0};
+}
+
+// Seed of one segment and half; emits the INPUT_ERROR row itself when the seed does not resolve.
+KVC_HD WriteSeed write_seed(const WriteArgs& a, const int64_t* row, int64_t half) {
+  const WriteSeed seed = write_seed_value(a, row, half);
+  if (!seed.ok) write_emit_seed_error(a, row, half);
+  return seed;
 }
 
 enum class WriteKind : int32_t { kPad = 0, kSlotError = 1, kEvicted = 2, kBadValue = 3, kWrite = 4 };
@@ -203,9 +214,10 @@ KVC_HD int64_t write_pool_token(const WriteArgs& a, const int64_t* row, int64_t 
 }
 
 // Handle one entry for one half: store the record (h_before = chain value before it, prev_pos = previous written
-// position) and emit its row if a check fails; non-written kinds emit/count their skip. Returns the counts.
-KVC_HD WriteTally write_entry_apply(const WriteArgs& a, const int64_t* row, int64_t half, const WriteEntry& e,
-                                    uint64_t h_before, int64_t prev_pos) {
+// position, fp = its fingerprint, 0 without sources) and emit its row if a check fails; non-written kinds emit/count
+// their skip. Returns the counts.
+KVC_HD WriteTally write_entry_store(const WriteArgs& a, const int64_t* row, int64_t half, const WriteEntry& e,
+                                    uint64_t h_before, int64_t prev_pos, uint64_t fp) {
   if (e.kind == WriteKind::kPad) return WriteTally{0, 0, 0};
   if (e.kind == WriteKind::kEvicted) return WriteTally{0, 0, 1};
   const int64_t expected_pos = plan_at(row, PlanCol::PREFIX_LEN) + e.j;
@@ -227,9 +239,6 @@ KVC_HD WriteTally write_entry_apply(const WriteArgs& a, const int64_t* row, int6
     expected_token = write_pool_token(a, row, e.position);
     if (expected_token != SKIP_TOKEN && e.token != expected_token) reasons |= bits(FailReason::WRITE_TOKEN);
   }
-  const uint64_t fp = a.fp_table == nullptr ? 0
-                          : fingerprint_serial(a.fp_table, a.fp_sources, half, e.slot, e.position, a.fp_mode,
-                                               a.fp_layer_stride);
   write_record(a, e.slot, half) = CanaryRecord{e.token, e.position, static_cast<int64_t>(h_before),
                                                static_cast<int64_t>(fp)};
   if (reasons != 0) {
@@ -240,6 +249,16 @@ KVC_HD WriteTally write_entry_apply(const WriteArgs& a, const int64_t* row, int6
     emit(a.sink, v);
   }
   return WriteTally{1, 0, 0};
+}
+
+// write_entry_store with the fingerprint computed serially (the CPU loop).
+KVC_HD WriteTally write_entry_apply(const WriteArgs& a, const int64_t* row, int64_t half, const WriteEntry& e,
+                                    uint64_t h_before, int64_t prev_pos) {
+  const uint64_t fp = (a.fp_table == nullptr || e.kind != WriteKind::kWrite)
+                          ? 0
+                          : fingerprint_serial(a.fp_table, a.fp_sources, half, e.slot, e.position, a.fp_mode,
+                                               a.fp_layer_stride);
+  return write_entry_store(a, row, half, e, h_before, prev_pos, fp);
 }
 
 // The EXPECT_NEW boundary check of one segment and half: h_end = chain value after it, last_j = its last written

@@ -9,7 +9,7 @@ namespace kvcanary {
 namespace cuda {
 namespace {
 
-constexpr int kPlanThreads = 1024;
+constexpr int kPlanThreads = 512;
 
 struct PlanForwardArgs {
   int64_t* plan;
@@ -29,7 +29,7 @@ struct PlanForwardArgs {
 // Scan lanes: running token offset, segments, verify entries, write entries, input errors, overflow.
 enum : int { kTok = 0, kSeg, kVer, kWri, kErr, kOvf, kLanes };
 
-__global__ void __launch_bounds__(kPlanThreads) plan_forward_kernel(PlanForwardArgs a) {
+__global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwardArgs a) {
   __shared__ BlockSumScratch<kPlanThreads, kLanes> scratch;
   int64_t carry[kLanes] = {0, 0, 0, 0, 0, 0};
   for (int64_t base = 0; base < a.bs; base += kPlanThreads) {
@@ -88,7 +88,7 @@ struct PlanSweepArgs {
 
 enum : int { kSSeg = 0, kSVer, kSErr, kSLanes };
 
-__global__ void __launch_bounds__(kPlanThreads) plan_sweep_kernel(PlanSweepArgs a) {
+__global__ void __launch_bounds__(kPlanThreads, 1) plan_sweep_kernel(PlanSweepArgs a) {
   __shared__ BlockSumScratch<kPlanThreads, kSLanes> scratch;
   int64_t carry[kSLanes] = {0, 0, 0};
   for (int64_t base = 0; base < a.n_chains; base += kPlanThreads) {

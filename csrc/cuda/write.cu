@@ -1,0 +1,277 @@
+// CUDA write (docs/ops-contract.md 5): the chain of each segment is an exclusive affine scan (core/write.cuh
+// WriteCarry) over flat token tiles. A tile takes the carry of its first segment's earlier tokens by reducing them
+// itself (no inter-block communication, no workspace: graph-safe), scans its tokens block-wide with segment heads,
+// then stores both halves. With fingerprints, tiles are small (many blocks) and the block's warps fingerprint the
+// tile's rows cooperatively with 16-byte loads.
+#include <tvm/ffi/function.h>
+
+#include "core/write.cuh"
+#include "cuda/cuda_common.cuh"
+
+namespace kvcanary {
+namespace cuda {
+namespace {
+
+constexpr int kWriteThreads = 256;
+constexpr int kWarpsPerBlock = kWriteThreads / kWarp;
+constexpr int kItemsNoFp = 4;  // tokens per thread without fingerprints: 1024-token tiles
+
+struct ScanElem {
+  bool head;  // starts a run: nothing earlier composes into it
+  WriteCarry c;
+};
+
+// The identity element: no head seen, the identity map.
+__device__ __forceinline__ ScanElem scan_identity() { return ScanElem{false, write_carry_identity()}; }
+
+__device__ __forceinline__ ScanElem scan_op(const ScanElem& x, const ScanElem& y) {
+  return y.head ? y : ScanElem{x.head, write_carry_compose(x.c, y.c)};
+}
+
+__device__ __forceinline__ ScanElem shfl_up_elem(const ScanElem& x, int d) {
+  ScanElem r;
+  r.head = __shfl_up_sync(0xffffffffu, x.head ? 1 : 0, d) != 0;
+  r.c.map.mul = __shfl_up_sync(0xffffffffu, x.c.map.mul, d);
+  r.c.map.add = __shfl_up_sync(0xffffffffu, x.c.map.add, d);
+  r.c.last_j = __shfl_up_sync(0xffffffffu, x.c.last_j, d);
+  return r;
+}
+
+struct ScanShared {
+  ScanElem warp_total[kWarpsPerBlock];
+  WriteCarry carry_total[kWarpsPerBlock];
+};
+
+// Block-wide inclusive segmented scan of one element per thread.
+__device__ __forceinline__ ScanElem block_segmented_scan(ScanElem x, ScanShared& sh) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int d = 1; d < kWarp; d <<= 1) {
+    const ScanElem y = shfl_up_elem(x, d);
+    if (lane >= d) x = scan_op(y, x);
+  }
+  __syncthreads();
+  if (lane == kWarp - 1) sh.warp_total[warp] = x;
+  __syncthreads();
+  ScanElem before = scan_identity();
+  for (int w = 0; w < warp; ++w) before = scan_op(before, sh.warp_total[w]);
+  return warp > 0 ? scan_op(before, x) : x;
+}
+
+// Ordered composition of the carries of entries [0, n) of a segment, by the whole block.
+__device__ __forceinline__ WriteCarry block_reduce_prefix(const WriteArgs& a, const int64_t* row, int64_t n,
+                                                          ScanShared& sh) {
+  const int64_t per = (n + kWriteThreads - 1) / kWriteThreads;
+  const int64_t lo = threadIdx.x * per, hi = lo + per < n ? lo + per : n;
+  WriteCarry c = write_carry_identity();
+  for (int64_t j = lo; j < hi; ++j) c = write_carry_compose(c, write_entry_carry(write_entry_load(a, row, j)));
+  // Ordered block reduce: a scan with no heads, read the last thread's inclusive value.
+  const ScanElem inc = block_segmented_scan(ScanElem{false, c}, sh);
+  __syncthreads();
+  if (threadIdx.x == kWriteThreads - 1) sh.carry_total[0] = inc.c;
+  __syncthreads();
+  const WriteCarry total = sh.carry_total[0];
+  __syncthreads();
+  return total;
+}
+
+// The last segment with WRITE_BEGIN <= k in [lo, hi] (-1 when none).
+__device__ __forceinline__ int64_t segment_of_token(const int64_t* plan, int64_t lo, int64_t hi, int64_t k) {
+  int64_t found = -1;
+  while (lo <= hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (plan[mid * kNumPlanCols + col(PlanCol::WRITE_BEGIN)] <= k) {
+      found = mid;
+      lo = mid + 1;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return found;
+}
+
+struct Item {
+  const int64_t* row;  // segment row, nullptr: the token belongs to no writable segment
+  WriteEntry e;
+};
+
+template <int kItems, bool kFp>
+__global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64_t tile) {
+  __shared__ ScanShared sh;
+  __shared__ int64_t s_seg[2];
+  __shared__ int64_t s_reduce[kWarpsPerBlock];
+  __shared__ uint64_t s_fp[kFp ? kWriteThreads : 1][MAX_HALVES];
+  __shared__ int64_t s_fp_slot[kFp ? kWriteThreads : 1];
+  __shared__ int64_t s_fp_pos[kFp ? kWriteThreads : 1];
+
+  const int64_t nseg = write_num_segments(a);
+  const int64_t tile_start = static_cast<int64_t>(blockIdx.x) * tile;
+  const int64_t tile_end = tile_start + tile < a.num_tokens ? tile_start + tile : a.num_tokens;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+
+  // Whole-segment range errors and the per-call run counters: block 0 only.
+  if (blockIdx.x == 0) {
+    for (int64_t s = threadIdx.x; s < nseg; s += kWriteThreads) {
+      const int64_t* row = a.plan + s * kNumPlanCols;
+      if (plan_at(row, PlanCol::WRITE_LEN) != 0 && !write_range_ok(a, row)) {
+        for (int64_t h = 0; h < a.halves; ++h) write_emit_range_error(a, row, h);
+      }
+    }
+    if (threadIdx.x == 0) {
+      for (int64_t h = 0; h < a.halves; ++h) count(a.sink, a.tags[h], CounterCol::WRITE_RUNS, 1);
+    }
+  }
+
+  if (threadIdx.x == 0) s_seg[0] = segment_of_token(a.plan, 0, nseg - 1, tile_start);
+  if (threadIdx.x == 1) s_seg[1] = segment_of_token(a.plan, 0, nseg - 1, tile_end - 1);
+  __syncthreads();
+  const int64_t seg_lo = s_seg[0] < 0 ? 0 : s_seg[0], seg_hi = s_seg[1];
+
+  // Load this thread's tokens (kItems consecutive) and their carries.
+  Item it[kItems];
+  ScanElem local = scan_identity();
+  ScanElem pre_item[kItems];  // inclusive within the thread, before composing earlier threads
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int64_t k = tile_start + static_cast<int64_t>(threadIdx.x) * kItems + i;
+    it[i].row = nullptr;
+    ScanElem x{true, write_carry_identity()};
+    if (k < tile_end && seg_hi >= 0) {
+      const int64_t s = segment_of_token(a.plan, seg_lo, seg_hi, k);
+      if (s >= 0) {
+        const int64_t* row = a.plan + s * kNumPlanCols;
+        const int64_t j = k - plan_at(row, PlanCol::WRITE_BEGIN);
+        if (j < plan_at(row, PlanCol::WRITE_LEN) && write_range_ok(a, row)) {
+          it[i].row = row;
+          it[i].e = write_entry_load(a, row, j);
+          x = ScanElem{j == 0, write_entry_carry(it[i].e)};
+        }
+      }
+    }
+    local = scan_op(local, x);
+    pre_item[i] = local;
+  }
+  // Block scan of the per-thread totals; the exclusive prefix of this thread is the previous thread's inclusive.
+  const ScanElem inc = block_segmented_scan(local, sh);
+  ScanElem excl_thread = shfl_up_elem(inc, 1);
+  __syncthreads();
+  if (lane == kWarp - 1) sh.warp_total[warp] = inc;
+  __syncthreads();
+  if (lane == 0) excl_thread = warp > 0 ? sh.warp_total[warp - 1] : scan_identity();
+  __syncthreads();
+
+  // The tile's first segment may have started in an earlier tile: fold its earlier entries (block-uniform branch).
+  WriteCarry carry_in = write_carry_identity();
+  const int64_t* first_row = s_seg[0] >= 0 ? a.plan + s_seg[0] * kNumPlanCols : nullptr;
+  int64_t first_j = 0;
+  if (first_row != nullptr && write_range_ok(a, first_row)) {
+    first_j = tile_start - plan_at(first_row, PlanCol::WRITE_BEGIN);
+    if (first_j > 0 && first_j < plan_at(first_row, PlanCol::WRITE_LEN)) {
+      carry_in = block_reduce_prefix(a, first_row, first_j, sh);
+    }
+  }
+
+  // Exclusive carry of each item: earlier items of the thread, earlier threads, and carry_in when the item's run
+  // reaches back to the tile start (then it is the tile's first segment, which began in an earlier tile).
+  WriteCarry excl[kItems], incl[kItems];
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const ScanElem before = i == 0 ? excl_thread : scan_op(excl_thread, pre_item[i - 1]);
+    const bool head = it[i].row == nullptr || it[i].e.j == 0;
+    WriteCarry ex = head ? write_carry_identity() : before.c;
+    if (!head && !before.head && it[i].row == first_row) ex = write_carry_compose(carry_in, ex);
+    excl[i] = ex;
+    incl[i] = write_carry_compose(ex, it[i].row != nullptr ? write_entry_carry(it[i].e) : write_carry_identity());
+  }
+
+  WriteTally tally[MAX_HALVES] = {{0, 0, 0}, {0, 0, 0}};
+  if constexpr (kFp) {
+    // kItems == 1: thread t holds tile token t. Warps fingerprint the tile's written rows round-robin.
+    const bool want = it[0].row != nullptr && it[0].e.kind == WriteKind::kWrite;
+    s_fp_slot[threadIdx.x] = want ? it[0].e.slot : -1;
+    s_fp_pos[threadIdx.x] = want ? it[0].e.position : 0;
+    __syncthreads();
+    const int64_t n_tile = tile_end - tile_start;
+    for (int64_t h = 0; h < a.halves; ++h) {
+      if (a.fp_mode == static_cast<int32_t>(FingerprintMode::PARTIAL)) {
+        s_fp[threadIdx.x][h] = want ? fingerprint_thread(a.fp_table, a.fp_sources, h, it[0].e.slot,
+                                                          it[0].e.position, a.fp_mode, a.fp_layer_stride)
+                                    : 0;
+      } else {
+        for (int64_t t = warp; t < n_tile; t += kWarpsPerBlock) {
+          const int64_t slot = s_fp_slot[t];
+          if (slot < 0) continue;  // warp-uniform
+          const uint64_t fp = fingerprint_warp(a.fp_table, a.fp_sources, h, slot, s_fp_pos[t], a.fp_mode,
+                                               a.fp_layer_stride);
+          if (lane == 0) s_fp[t][h] = fp;
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    if (it[i].row == nullptr) continue;
+    const int64_t* row = it[i].row;
+    const WriteEntry& e = it[i].e;
+    for (int64_t h = 0; h < a.halves; ++h) {
+      const WriteSeed seed = write_seed_value(a, row, h);
+      if (!seed.ok) {
+        if (e.j == 0) write_emit_seed_error(a, row, h);
+        continue;
+      }
+      uint64_t fp = 0;
+      if constexpr (kFp) fp = s_fp[threadIdx.x][h];
+      const WriteTally t = write_entry_store(a, row, h, e, chain_apply(excl[i].map, seed.h),
+                                             write_prev_pos(a, row, excl[i], seed), fp);
+      tally[h] = write_tally_add(tally[h], t);
+      if (e.j == plan_at(row, PlanCol::WRITE_LEN) - 1) {
+        write_expect_new(a, row, h, chain_apply(incl[i].map, seed.h), incl[i].last_j);
+      }
+    }
+  }
+  for (int64_t h = 0; h < a.halves; ++h) {
+    const int64_t base = a.tags[h] * kNumCounterCols;
+    block_count<kWriteThreads>(&a.sink.counters[base + col(CounterCol::ENTRIES_WRITTEN)], tally[h].written, s_reduce);
+    block_count<kWriteThreads>(&a.sink.counters[base + col(CounterCol::INPUT_ERRORS)], tally[h].input_errors,
+                               s_reduce);
+    block_count<kWriteThreads>(&a.sink.counters[base + col(CounterCol::SKIPPED)], tally[h].skipped, s_reduce);
+  }
+}
+
+}  // namespace
+
+void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reserved_slots, int64_t tag0, int64_t tag1,
+           TensorView plan, TensorView status, TensorView table, TensorView input_ids, TensorView positions,
+           TensorView out_cache_loc, TensorView ring_rows, TensorView ring_count, TensorView counters, TensorView step,
+           int64_t checks, TensorView pool_tokens, TensorView pool_lens, int64_t has_pool, int64_t token_offset,
+           TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride) {
+  check_cuda(records, "records");
+  const WriteArgs a = make_write_args(records, swa_map, is_swa, reserved_slots, tag0, tag1, plan, status, table,
+                                      input_ids, positions, out_cache_loc, ring_rows, ring_count, counters, step,
+                                      checks, pool_tokens, pool_lens, has_pool, token_offset, fp_table, fp_mode,
+                                      fp_layer_stride);
+  const DLDevice dev = records.device();
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  const cudaStream_t stream = stream_of(dev);
+  // At least one block: it reports range errors and counts the run even with no tokens.
+  if (a.fp_table == nullptr) {
+    const int64_t tile = kWriteThreads * kItemsNoFp;
+    const int64_t grid = a.num_tokens > 0 ? ceil_div(a.num_tokens, tile) : 1;
+    write_kernel<kItemsNoFp, false><<<static_cast<unsigned>(grid), kWriteThreads, 0, stream>>>(a, tile);
+  } else {
+    // Small tiles so that the fingerprint reads spread over every SM (about two tiles per SM, 32..256 tokens).
+    const int64_t want = ceil_div(a.num_tokens, 2 * static_cast<int64_t>(sm_count(dev.device_id)));
+    int64_t tile = 32;
+    while (tile < want && tile < kWriteThreads) tile *= 2;
+    const int64_t grid = a.num_tokens > 0 ? ceil_div(a.num_tokens, tile) : 1;
+    write_kernel<1, true><<<static_cast<unsigned>(grid), kWriteThreads, 0, stream>>>(a, tile);
+  }
+  check_launch();
+}
+
+}  // namespace cuda
+}  // namespace kvcanary
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(write, kvcanary::cuda::write);
