@@ -179,7 +179,7 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
     seg_end = seg_start[1:]
     # Index of the last active entry at or before i (cummax), then the exclusive one.
     last_incl = torch.cummax(torch.where(active, ar, torch.full_like(ar, -1)), 0).values if e_count else ar
-    last_excl = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=dev), last_incl[:-1]])
+    last_excl = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=dev), last_incl[:-1]])[:e_count]
     has_prev = last_excl >= e0
     seg_last = last_incl[seg_end - 1] if e_count else seg_end
     seg_wrote = seg_last >= seg_start[:-1]
