@@ -1,0 +1,101 @@
+"""ChainHasher: values against Python-int chains, incremental = one-shot, draft offset, torch path, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvcanary.errors import CanaryInputError
+from kvcanary.ops import hashes as H
+from kvcanary.truth import ChainHasher, fold
+from kvcanary_schema import CHAIN_ANCHOR, CHAIN_BASE, TOKEN_LIMIT
+
+
+def chain_value(tokens: list[int], first_pos: int = 0) -> int:
+    """h after the tokens, spelled out from DESIGN 4 with Python ints."""
+    h = H.splitmix64_int(CHAIN_ANCHOR)
+    for i, t in enumerate(tokens):
+        h = (h * CHAIN_BASE + H.chain_g_int(t, first_pos + i)) % (1 << 64)
+    return h
+
+
+def test_empty_and_unknown_keys_have_h0() -> None:
+    ch = ChainHasher()
+    assert ch.value("x") == H.CHAIN_H0 and ch.length("x") == 0 and "x" not in ch
+    assert ch.extend("x", [], 0) == H.CHAIN_H0
+    assert "x" in ch and len(ch) == 1
+
+
+@pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 300])
+def test_extend_matches_python_ints(n: int) -> None:
+    toks = [(i * 7919 + 13) % 150_000 for i in range(n)]
+    ch = ChainHasher()
+    assert ch.extend("a", toks, 0) == chain_value(toks)
+    assert ch.extend("b", torch.tensor(toks), 0) == chain_value(toks)
+    assert ch.length("a") == n
+
+
+@settings(max_examples=40, deadline=None)
+@given(toks=st.lists(st.integers(0, TOKEN_LIMIT - 1), max_size=200), cuts=st.lists(st.integers(0, 200), max_size=5))
+def test_incremental_equals_one_shot(toks: list[int], cuts: list[int]) -> None:
+    ch = ChainHasher()
+    bounds = sorted({0, len(toks), *(c for c in cuts if c <= len(toks))})
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        ch.extend(1, toks[a:b], a)
+    assert ch.value(1) == chain_value(toks)
+
+
+@settings(max_examples=30, deadline=None)
+@given(h=st.integers(0, (1 << 64) - 1), toks=st.lists(st.integers(0, TOKEN_LIMIT - 1), min_size=64, max_size=300),
+       first=st.integers(0, 10_000))
+def test_torch_fold_equals_int_fold(h: int, toks: list[int], first: int) -> None:
+    want = h
+    for i, t in enumerate(toks):
+        want = H.chain_step_int(want, t, first + i)
+    assert fold(h, toks, first) == want
+    assert fold(h, torch.tensor(toks), first) == want
+
+
+def test_draft_offset_history() -> None:
+    truth = [50, 51, 52, 53, 54, 55, 56]
+    draft = ChainHasher(offset=1)
+    draft.extend("r", truth[:1], 0)  # position 0's true token has no place in the draft history
+    assert draft.value("r") == H.CHAIN_H0
+    draft.extend("r", truth[1:5], 1)
+    draft.extend("r", truth[5:], 5)
+    # The draft history holds at position p the true token of p + 1.
+    assert draft.value("r") == chain_value(truth[1:])
+    assert draft.length("r") == len(truth)
+    d2 = ChainHasher(offset=2)
+    assert d2.extend("r", truth, 0) == chain_value(truth[2:])
+
+
+def test_batch_helpers_return_stored_int64() -> None:
+    ch = ChainHasher()
+    got = ch.extend_batch(["a", "b"], [[1, 2, 3], torch.tensor([4, 5])], [0, 0])
+    assert got.dtype == torch.int64
+    assert got.tolist() == [H.to_i64(chain_value([1, 2, 3])), H.to_i64(chain_value([4, 5]))]
+    assert ch.values(["b", "a", "zz"]).tolist() == [H.to_i64(chain_value([4, 5])), H.to_i64(chain_value([1, 2, 3])),
+                                                    H.to_i64(H.CHAIN_H0)]
+    ch.drop("a")
+    ch.drop("never")
+    assert "a" not in ch and ch.length("a") == 0
+
+
+def test_bad_input() -> None:
+    ch = ChainHasher()
+    ch.extend("a", [1, 2], 0)
+    with pytest.raises(CanaryInputError, match="extend at 3"):
+        ch.extend("a", [3], 3)
+    with pytest.raises(CanaryInputError):
+        ch.extend("b", [1, -1], 0)
+    with pytest.raises(CanaryInputError):
+        ch.extend("c", [TOKEN_LIMIT] * 100, 0)
+    with pytest.raises(CanaryInputError):
+        fold(0, [1], TOKEN_LIMIT)
+    with pytest.raises(CanaryInputError, match="offset"):
+        ChainHasher(offset=-1)
+    with pytest.raises(CanaryInputError, match="same length"):
+        ch.extend_batch(["x"], [[1], [2]], [0])
+    assert "b" not in ch and "c" not in ch
