@@ -113,6 +113,8 @@ def test_pool_view_and_cached_chains(swa_cfg: ModelConfig) -> None:
     assert view.swa_layers == (1,) and view.full_layers == (0, 2) and view.swa_window == 6
     assert view.k[1].shape[0] == 64 and view.k[0].shape == (256, 2, 16)
     assert view.full_to_swa is not None and view.full_to_swa.dtype == torch.int64
+    assert [t.shape[0] for t in view.sources("swa", "v")] == [64]
+    assert len(view.sources("full", "k")) == 2
     chains = engine.cached_chains()
     assert int(chains.chain_lens.sum()) == chains.slots.numel() > 0
     assert bool(chains.unlocked.all())

@@ -207,3 +207,11 @@ class PoolView:
     swa_window: int
     token_offset: int
     req_to_token: torch.Tensor
+
+    def sources(self, group: str, half: str) -> tuple[torch.Tensor, ...]:
+        """Real-KV tensors of a group ("full" or "swa") and half ("k" or "v"), in layer order."""
+        if group not in ("full", "swa") or half not in ("k", "v"):
+            raise ConfigError("group must be 'full' or 'swa' and half 'k' or 'v'")
+        layers = self.full_layers if group == "full" else self.swa_layers
+        tensors = self.k if half == "k" else self.v
+        return tuple(tensors[i] for i in layers)
