@@ -25,6 +25,20 @@ from kvcanary.errors import CanaryInputError
 ENV_PREFIX = "KVCANARY_"
 
 
+# Which fault classes only token truth (TokenTruth.CHAIN or POOL) can catch, and the check that does: a
+# content-only chain cannot tell a whole wrong-but-self-consistent chain from the right one.
+TOKEN_TRUTH_FAULTS: dict[str, str] = {
+    "prefix-cache hit on another request's prefix": "VERIFY_TOKEN (EXPECT_PREFIX / pool compare)",
+    "two requests' slot lists swapped (slot_swap)": "VERIFY_TOKEN",
+    "wrong input token fed to the model (next_token_swap)": "WRITE_TOKEN (EXPECT_NEW / INPUTS assert)",
+    "stale or foreign chain transferred whole (prefill->decode)": "VERIFY_TOKEN",
+    "token flipped in the newest record before the next write seeds from it": "VERIFY_TOKEN / WRITE_TOKEN",
+    "draft pool stored without its +1 token offset": "WRITE_TOKEN",
+}
+# Caught without token truth: a wrong slot-table entry (req_to_token), use-after-free reuse, canary-record flips,
+# real-KV corruption (fingerprints), torn transfers of part of a chain (chain links / positions).
+
+
 class CanaryMode(str, enum.Enum):
     """What happens on a violation: nothing installed, log it, or raise CanaryViolationError."""
 
@@ -103,6 +117,7 @@ class CanaryConfig:
     window_links: int = 1  # WINDOW policy: newest prefix links verified every forward
     sweep_interval: int = DEFAULT_SWEEP_INTERVAL  # forwards between sweeps; 0 = off
     sweep_capacity: int = DEFAULT_SWEEP_CAPACITY
+    sweep_unlocked_only: bool = False  # sweep only chains no running request holds (the rest are verified per forward)
     token_truth: TokenTruth = TokenTruth.CHAIN
     input_asserts: bool = False  # WriteCheck.INPUTS
     chain_position_assert: bool = True  # WriteCheck.CHAIN_POSITION
@@ -184,7 +199,7 @@ class CanaryConfig:
 
 _INT_KNOBS = {"layer_stride", "stripe_size", "window_links", "sweep_interval", "sweep_capacity", "ring_capacity",
               "report_interval", "stats_interval", "log_rate_limit", "req_capacity", "token_capacity"}
-_BOOL_KNOBS = {"input_asserts", "chain_position_assert", "watchdog"}
+_BOOL_KNOBS = {"input_asserts", "chain_position_assert", "watchdog", "sweep_unlocked_only"}
 
 
 def _parse(name: str, raw: str, cls: type[CanaryConfig]) -> Any:

@@ -121,7 +121,7 @@ class CanaryManager:
         self.backend = check_backend(config.resolved_backend(self.device.type), self.device)
         self.state = CanaryState(pool, config)
         self.prefix_cache = prefix_cache
-        self.sweeper = Sweeper(self.state, self.backend)
+        self.sweeper = Sweeper(self.state, self.backend, config.sweep_unlocked_only)
         self.hasher = ChainHasher(pool.token_offset)
         self.perturber = Perturber(self.state, config.perturb, config.fingerprint)
         self.sinks = [LogSink(config.log_rate_limit), self.metrics]
@@ -300,7 +300,8 @@ class CanaryManager:
             return None
         if self._phase != _Phase.IDLE:
             raise CanaryBracketError("flush inside an open forward")
-        self._stage()
+        if self._window_first <= self.forwards or self._sweeps_staged:
+            self._stage()
         return self._collect_ready(block=True)
 
     def release(self, request_id: Hashable) -> None:

@@ -1,0 +1,1 @@
+"""Runtime tests: the fake engine lives next to them."""
