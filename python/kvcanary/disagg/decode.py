@@ -93,7 +93,7 @@ class DecodeRole:
             status = Status.OK if reservation is not None else Status.NO_CAPACITY
         if reservation is None:
             self.channel.send(Message(MsgKind.REJECT, req_key=msg.req_key, status=int(status)))
-            self.report.fail(rid, "rejected", status=Status(status).name, index=index)
+            self.report.fail(rid, "rejected", why=Status(status).name, index=index)
             return
         self._pending[index] = reservation
         self.report.requests[rid] = {"status": "receiving", "index": index, "prefix_len": msg.prefix_len,

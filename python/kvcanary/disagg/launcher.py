@@ -41,6 +41,7 @@ class LaunchConfig:
     timeout_s: float = 10.0
     reference: bool = True  # decode side re-runs the workload on one engine and compares outputs
     page_size: int = 1
+    start_method: str = "spawn"  # "forkserver" (tests): torch is imported once by the server, not per role
 
 
 def free_port() -> int:
@@ -115,7 +116,9 @@ def summarize(cfg: LaunchConfig, prefill: dict[str, Any], decode: dict[str, Any]
     ref = decode.get("reference") or {}
     outs = decode.get("outputs") or {}
     ok = sorted(rid for rid, e in dreq.items() if e.get("status") == "ok")
-    failed = {rid: e.get("reason") for rid, e in dreq.items() if e.get("status") == "failed"}
+    failed = {rid: f"prefill: {e.get('reason')}" for rid, e in prefill.get("requests", {}).items()
+              if e.get("status") == "failed"}
+    failed.update({rid: e.get("reason") for rid, e in dreq.items() if e.get("status") == "failed"})
     kv, canary = int(prefill.get("kv_bytes", 0)), int(prefill.get("canary_bytes", 0))
     by_req: dict[str, list[str]] = {}
     for v in decode.get("violations", []):
@@ -146,7 +149,9 @@ def summarize(cfg: LaunchConfig, prefill: dict[str, Any], decode: dict[str, Any]
 
 def launch(cfg: LaunchConfig) -> dict[str, Any]:
     """Run both roles to completion (or kill them after a generous deadline) and summarize their reports."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(cfg.start_method)
+    if cfg.start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "kvcanary.disagg.launcher", "kvcanary.disagg.runtime_glue"])
     port = free_port()
     reports: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvcanary-disagg-") as tmp:
