@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import make_requests
 from engine_shadow import ShadowChecker, run_checked, sequential
-from kvcanary.engine import Engine, EngineConfig, ForwardMode, ModelConfig, PoolKind, Request
+from kvcanary.engine import ConfigError, Engine, EngineConfig, ForwardMode, ModelConfig, PoolKind, Request, RequestError
 
 
 @pytest.mark.parametrize("cfg", [
@@ -128,3 +128,40 @@ def test_hooks_see_alloc_and_free(model_cfg: ModelConfig) -> None:
     assert torch.equal(alloc, freed)
     befores = [b for tag, b, _ in shadow.forwards if tag == "before"]
     assert len(befores) == engine.stats.forwards
+
+
+@pytest.mark.parametrize("cfg", [
+    {"reserved_slots": 0, "padding_row": None},
+    {"reserved_slots": 4, "padding_row": 3, "decode_pad_multiple": 4, "page_size": 2},
+])
+def test_reserved_slots_and_padding_row(model_cfg: ModelConfig, cfg: dict[str, Any]) -> None:
+    reqs = make_requests(3, new=8)
+    engine, shadow, out = run_checked(reqs, model_cfg, chunk_size=8, **cfg)
+    assert out == sequential(reqs, model_cfg)
+    used = torch.cat(shadow.allocated)
+    assert int(used.min()) >= cfg["reserved_slots"]
+    if cfg["padding_row"] is not None:
+        pads = [b for tag, b, _ in shadow.forwards if tag == "before" and b.num_padding]
+        assert pads and all(b.req_pool_indices_host[-1] == 3 for b in pads)
+        assert all(int(b.out_cache_loc[-1]) == 0 for b in pads)
+        rows = {r for _, b, _ in shadow.forwards for r in b.req_pool_indices_host[:b.real_batch_size]}
+        assert 3 not in rows
+
+
+def test_bad_configs(model_cfg: ModelConfig, draft_cfg: ModelConfig, swa_cfg: ModelConfig) -> None:
+    with pytest.raises(ConfigError):
+        EngineConfig(decode_pad_multiple=2, padding_row=None)
+    with pytest.raises(ConfigError):
+        Engine(EngineConfig(spec_num_draft=2), model_cfg)
+    with pytest.raises(ConfigError):
+        Engine(EngineConfig(spec_num_draft=2), model_cfg, swa_cfg)
+    with pytest.raises(ConfigError):
+        Engine(EngineConfig(num_slots=30, page_size=4), model_cfg)
+    engine = Engine(EngineConfig(), model_cfg)
+    engine.add_request(make_requests(1)[0])
+    with pytest.raises(RequestError):
+        engine.add_request(make_requests(1)[0])
+    with pytest.raises(RequestError):
+        engine.add_request(Request("x", (999,), 2))
+    with pytest.raises(ConfigError):
+        engine.pool_view(PoolKind.DRAFT)
