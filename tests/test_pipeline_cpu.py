@@ -18,6 +18,8 @@ from kvcanary_schema import (
     NUM_PLAN_STATUS_COLS,
     CounterCol,
     FailReason,
+    Group,
+    Half,
     LaunchTag,
     Stage,
     ViolationCol,
@@ -153,8 +155,7 @@ def next_step(pipe: Pipeline) -> list[Row]:
     return pipe.forward([(A, [7]), (B, [8]), (C, [9])])
 
 
-TAGS = {(s, h): int(LaunchTag.of(s, h, 0)) for s in (Stage.HEAD, Stage.TAIL) for h in (0, 1)}  # type: ignore[arg-type]
-HK, HV, TK, TV = (TAGS[(Stage.HEAD, 0)], TAGS[(Stage.HEAD, 1)], TAGS[(Stage.TAIL, 0)], TAGS[(Stage.TAIL, 1)])
+HK, HV, TK, TV = (int(LaunchTag.of(s, h, Group.FULL)) for s in (Stage.HEAD, Stage.TAIL) for h in (Half.K, Half.V))
 CHAIN, POS, TOK, FP = (int(FailReason.VERIFY_CHAIN), int(FailReason.VERIFY_POSITION), int(FailReason.VERIFY_TOKEN),
                        int(FailReason.VERIFY_FINGERPRINT))
 WTOK = int(FailReason.WRITE_TOKEN)
