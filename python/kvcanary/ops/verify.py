@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from kvcanary_schema import (
+    NO_SLOT,
     NUM_LAUNCH_TAGS,
     NUM_VIOLATION_COLS,
     SKIP_TOKEN,
@@ -88,7 +89,7 @@ def resolve_slots(group: GroupView, t: torch.Tensor) -> tuple[torch.Tensor, torc
     else:
         m = group.swa_map.shape[0]
         out_of_map = (t < 0) | (t >= m)
-        g = group.swa_map[torch.clamp(t, 0, m - 1)] if m else torch.full_like(t, -1)
+        g = group.swa_map[torch.clamp(t, 0, m - 1)] if m else torch.full_like(t, NO_SLOT)
         slot = torch.where(out_of_map, t, g)
         evicted = ~out_of_map & (g < 0)
         bad = out_of_map | (~evicted & (g >= n))
@@ -142,7 +143,7 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
         r = _rows(bad.shape[0], dev)
         r[:, ViolationCol.TAG] = tag
         r[:, ViolationCol.REASONS] = int(FailReason.INPUT_ERROR)
-        r[:, ViolationCol.SLOT] = -1
+        r[:, ViolationCol.SLOT] = NO_SLOT
         r[:, ViolationCol.BATCH_INDEX] = bad[:, PlanCol.BATCH_INDEX]
         r[:, ViolationCol.REQ_ROW] = bad[:, PlanCol.ROW]
         out.append(r)
