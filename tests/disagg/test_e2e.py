@@ -26,13 +26,12 @@ def _expected_bytes(model: str, workload: Workload, result: dict[str, Any]) -> t
     """KV and canary bytes of the workload's transfers, from the model shape (independent of the layout code)."""
     m = model_config(model)
     row = m.num_kv_heads * m.head_dim * m.dtype.itemsize
-    kv = canary = 0
-    for rid in result["ok"] + list(result["failed"]):
-        n = workload.min_len  # fixed-length prompts in these tests
-        w = min(n, m.sliding_window - 1) if m.sliding_layers else 0  # the engine keeps W-1 positions resident
-        kv += 2 * row * (n * len(m.full_layers) + w * len(m.sliding_layers))
-        canary += 2 * 2 * RECORD_BYTES * (n + (w if m.sliding_layers else 0))  # HEAD+TAIL x (K,V records)
-    return kv, canary
+    transfers = len(result["ok"]) + len(result["failed"])
+    n = workload.min_len  # fixed-length prompts in these tests
+    w = min(n, m.sliding_window - 1) if m.sliding_layers else 0  # the engine keeps W-1 positions resident
+    kv = 2 * row * (n * len(m.full_layers) + w * len(m.sliding_layers))
+    canary = 2 * 2 * RECORD_BYTES * (n + w)  # HEAD+TAIL x (K,V records), per FULL position and SWA row
+    return transfers * kv, transfers * canary
 
 
 @pytest.mark.parametrize("model", ["full", "swa"])
