@@ -1,0 +1,80 @@
+"""Bad-input fuzz of every CUDA op for compute-sanitizer (memcheck, racecheck): python -m tests.gpu.fuzz_bad_inputs."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+from kvcanary.ops.fingerprint import fingerprint
+from kvcanary.ops.plan import plan_forward
+from kvcanary.ops.scatter_tokens import scatter_tokens
+from kvcanary.ops.types import Sink, TokenPool
+from kvcanary.ops.verify import verify
+from kvcanary.ops.write import write
+from kvcanary_schema import NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, FingerprintMode
+
+from .helpers import ALL_CHECKS, consistent_entry_offsets, fp_to, group_to, make_batch, pool_to, run_bracket
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=40)
+    ap.add_argument("--large", type=int, default=2)
+    args = ap.parse_args()
+    import test_verify as TV  # noqa: PLC0415
+    import test_write as TW  # noqa: PLC0415
+
+    dev = "cuda"
+    for seed in range(args.n):
+        rng = random.Random(seed)
+        sc = TV.make_scenario(rng)
+        if seed % 2:
+            TV.random_plan(rng, sc)
+            if seed % 4 == 1:
+                consistent_entry_offsets(sc.plan, sc.status)  # else: garbage offsets, must still stay in bounds
+        sink = Sink.allocate(rng.choice([1, 8, 4096]), dev)
+        verify(group_to(sc.group, dev), sc.stage, sc.plan.to(dev), sc.status.to(dev), sc.table.to(dev), sink,
+               token_pool=pool_to(sc.pool, dev), fingerprint=fp_to(sc.fp, dev), backend="cuda")
+        case = TW.make_case(seed, halves=rng.choice([1, 2]), swa=rng.random() < 0.5, fp=rng.random() < 0.4,
+                            checks=ALL_CHECKS, pool=True, bad=0.6)
+        if seed % 3 == 0:  # garbage plan rows and status for write
+            n = case.plan.shape[0]
+            case.plan[:, rng.randrange(NUM_PLAN_COLS)] = torch.randint(-5, 50, (n,))
+            case.status[0] = rng.choice([-3, n + 9, n])
+        write(group_to(case.group, dev), case.stage, case.plan.to(dev), case.status.to(dev), case.table.to(dev),
+              case.ids.to(dev), case.pos.to(dev), case.loc.to(dev), sink, checks=case.checks,
+              token_pool=pool_to(case.pool, dev), fingerprint=fp_to(case.fp, dev), backend="cuda")
+        # plan with bad requests
+        bs = rng.randint(0, 40)
+        plan = torch.zeros(bs + 1, NUM_PLAN_COLS, dtype=torch.int64, device=dev)
+        status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=dev)
+        table = torch.randint(-3, 100, (5, 9), device=dev)
+        plan_forward(plan, status, torch.randint(-2, 7, (bs,), device=dev), torch.randint(-2, 11, (bs,), device=dev),
+                     torch.randint(-2, 11, (bs,), device=dev), table, rng.randint(0, 30), window=rng.choice([0, 3]),
+                     backend="cuda")
+        # scatter with bad requests (distinct rows)
+        pool = TokenPool(torch.zeros(6, 20, dtype=torch.int64, device=dev), torch.zeros(6, dtype=torch.int64,
+                                                                                        device=dev))
+        n = rng.randint(0, 6)
+        rows = torch.tensor(rng.sample(range(-1, 7), n), dtype=torch.int64, device=dev)
+        scatter_tokens(pool, rows, torch.randint(-2, 22, (n,), device=dev), torch.randint(-2, 25, (n,), device=dev),
+                       torch.randint(0, 9, (rng.randint(0, 60),), device=dev), torch.zeros(1, dtype=torch.int64,
+                                                                                         device=dev), backend="cuda")
+        if sc.fp is not None:
+            src = fp_to(sc.fp, dev)
+            assert src is not None
+            fingerprint(src.sources, 0, torch.randint(-5, 60, (50,), device=dev),
+                        torch.randint(-5, 60, (50,), device=dev), FingerprintMode.ALL, backend="cuda")
+    for k in range(args.large):
+        b = make_batch(900 + k, bs=3, prefix=[0, 700, 1500], ext=[1100, 5, 2300], swa=k % 2 == 1, window=64,
+                       fp_mode=FingerprintMode.ALL, fp_bytes=128, corrupt=20)
+        b.loc[::50] = -7
+        b.pos[::77] = -1
+        run_bracket(b, "cuda", ring=16)
+    torch.cuda.synchronize()
+    print("fuzz done", args.n, args.large)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,336 @@
+"""CUDA backend vs the torch reference and the CPU backend, bit for bit: fuzz, large batches, graphs, bad input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kvcanary.ops.fingerprint import fingerprint
+from kvcanary.ops.plan import plan_forward, plan_sweep
+from kvcanary.ops.scatter_tokens import scatter_tokens
+from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
+from kvcanary.ops.verify import verify
+from kvcanary.ops.write import write
+from kvcanary_schema import (
+    NUM_PLAN_COLS,
+    NUM_PLAN_STATUS_COLS,
+    TOKEN_LIMIT,
+    FingerprintMode,
+    PlanStatusCol,
+    Stage,
+)
+
+from .helpers import (
+    ALL_CHECKS,
+    assert_brackets_equal,
+    assert_sinks_equal,
+    consistent_entry_offsets,
+    fp_to,
+    group_to,
+    make_batch,
+    pool_to,
+    run_bracket,
+    sources_to,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CUDA = "cuda"
+
+
+# ---- small scenarios of the CPU suites, moved to the GPU ---------------------------------------------------------
+
+def _verify_small(seed: int, arbitrary: bool) -> None:
+    import test_verify as TV  # noqa: PLC0415 (the CPU suite's generator, on sys.path via helpers)
+
+    rng = random.Random(seed)
+    sc = TV.make_scenario(rng)
+    if arbitrary:
+        TV.random_plan(rng, sc)
+        consistent_entry_offsets(sc.plan, sc.status)
+    outs = {}
+    for backend, dev in (("cpu", "cpu"), ("cuda", CUDA), ("torch", CUDA)):
+        group = group_to(sc.group, dev)
+        sink = Sink.allocate(4096, dev)
+        sink.step.fill_(7)
+        verify(group, sc.stage, sc.plan.to(dev), sc.status.to(dev), sc.table.to(dev), sink,
+               token_pool=pool_to(sc.pool, dev), fingerprint=fp_to(sc.fp, dev), backend=backend)
+        assert torch.equal(group.records.cpu(), sc.group.records), f"{backend} verify mutated records"
+        outs[backend] = sink
+    assert_sinks_equal(outs["cuda"], outs["cpu"], f"seed {seed} cuda vs cpu")
+    assert_sinks_equal(outs["cuda"], outs["torch"], f"seed {seed} cuda vs torch")
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_verify_small_scenarios(seed: int) -> None:
+    _verify_small(seed, arbitrary=False)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_verify_arbitrary_plans(seed: int) -> None:
+    _verify_small(10_000 + seed, arbitrary=True)
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_write_small_cases(seed: int) -> None:
+    import test_write as TW  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    case = TW.make_case(seed, halves=rng.choice([1, 2]), swa=rng.random() < 0.4, fp=rng.random() < 0.4,
+                        checks=rng.choice([0, ALL_CHECKS, 1, 2]), pool=rng.random() < 0.6, i32=rng.random() < 0.3,
+                        bad=rng.choice([0.0, 0.1, 0.4]))
+    outs = {}
+    for backend, dev in (("cpu", "cpu"), ("cuda", CUDA), ("torch", CUDA)):
+        group = group_to(case.group, dev)
+        sink = Sink.allocate(4096, dev)
+        sink.step[0] = 17
+        sink.count[0] = 2
+        write(group, case.stage, case.plan.to(dev), case.status.to(dev), case.table.to(dev), case.ids.to(dev),
+              case.pos.to(dev), case.loc.to(dev), sink, checks=case.checks, token_pool=pool_to(case.pool, dev),
+              fingerprint=fp_to(case.fp, dev), backend=backend)
+        outs[backend] = (group.records.cpu(), sink)
+    for other in ("cpu", "torch"):
+        assert torch.equal(outs["cuda"][0], outs[other][0]), f"seed {seed}: records vs {other}"
+        assert_sinks_equal(outs["cuda"][1], outs[other][1], f"seed {seed} vs {other}", skip=2)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_ops_match(seed: int) -> None:
+    rng = random.Random(seed)
+    bs = rng.choice([0, 1, 7, 513, 1500])
+    R, L = max(1, bs // 2 + 3), rng.randint(1, 300)
+    table = torch.randint(-2, R * L, (R, L), dtype=rng.choice([torch.int32, torch.int64]))
+    rpi = torch.randint(-1, R + 1, (bs,))
+    pre = torch.randint(-1, L + 1, (bs,))
+    ext = torch.randint(-1, 8, (bs,))
+    num_tokens = int(ext.clamp(min=0).sum()) - rng.choice([0, 0, 3])
+    kw = {"window": rng.choice([0, 0, 5, 64]), "padding_row": rng.choice([-1, 0]),
+          "expect_prefix": torch.randint(-2**62, 2**62, (bs,)) if rng.random() < 0.5 else None,
+          "expect_new": torch.randint(-2**62, 2**62, (bs,)) if rng.random() < 0.5 else None}
+    outs = {}
+    for backend, dev in (("cpu", "cpu"), ("cuda", CUDA), ("torch", CUDA)):
+        plan = torch.full((bs + 2, NUM_PLAN_COLS), -9, dtype=torch.int64, device=dev)
+        status = torch.full((NUM_PLAN_STATUS_COLS,), -9, dtype=torch.int64, device=dev)
+        kwd = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        plan_forward(plan, status, rpi.to(dev), pre.to(dev), ext.to(dev), table.to(dev), max(0, num_tokens),
+                     backend=backend, **kwd)
+        outs[backend] = (plan.cpu(), status.cpu())
+    for other in ("cpu", "torch"):
+        n = int(outs[other][1][PlanStatusCol.NUM_SEGMENTS])
+        assert torch.equal(outs["cuda"][1], outs[other][1]), other
+        assert torch.equal(outs["cuda"][0][:n], outs[other][0][:n]), other
+    # plan_sweep
+    n_chains = rng.choice([0, 3, 700, 2000])
+    N = rng.randint(0, 5000)
+    slots = torch.randint(0, 100, (N,))
+    starts = torch.randint(-1, N + 2, (n_chains,))
+    lens = torch.randint(-1, 50, (n_chains,))
+    firsts = torch.randint(-1, 1000, (n_chains,))
+    prevs = torch.randint(-1, 100, (n_chains,))
+    ee = torch.randint(-2**62, 2**62, (n_chains,)) if rng.random() < 0.5 else None
+    souts = {}
+    for backend, dev in (("cpu", "cpu"), ("cuda", CUDA)):
+        plan = torch.full((n_chains + 1, NUM_PLAN_COLS), -9, dtype=torch.int64, device=dev)
+        status = torch.full((NUM_PLAN_STATUS_COLS,), -9, dtype=torch.int64, device=dev)
+        plan_sweep(plan, status, slots.to(dev), starts.to(dev), lens.to(dev), firsts.to(dev), prevs.to(dev),
+                   expect_end=None if ee is None else ee.to(dev), backend=backend)
+        souts[backend] = (plan.cpu(), status.cpu())
+    n = int(souts["cpu"][1][PlanStatusCol.NUM_SEGMENTS])
+    assert torch.equal(souts["cuda"][1], souts["cpu"][1])
+    assert torch.equal(souts["cuda"][0][:n], souts["cpu"][0][:n])
+
+
+# ---- large batches: tiles, long segments, SWA windows, fingerprints ------------------------------------------------
+
+LARGE = [
+    {"bs": 1, "prefix": 0, "ext": 16384},
+    {"bs": 1, "prefix": 3000, "ext": 5000, "pool": True, "expect": True},
+    {"bs": 3, "prefix": [0, 1500, 2047], "ext": [2100, 1, 4099], "expect": True},
+    {"bs": 64, "prefix": 300, "ext": 1, "pool": True},
+    {"bs": 200, "prefix": [i * 7 % 333 for i in range(200)], "ext": [i % 3 for i in range(200)]},
+    {"bs": 16, "prefix": 700, "ext": 1, "swa": True, "window": 128},
+    {"bs": 4, "prefix": 1000, "ext": 700, "swa": True, "window": 100, "halves": 1},
+    {"bs": 8, "prefix": 400, "ext": 300, "fp_mode": FingerprintMode.ALL, "fp_bytes": 2048},
+    {"bs": 2, "prefix": 64, "ext": 1500, "fp_mode": FingerprintMode.ALL, "fp_bytes": 144, "contiguous": True},
+    {"bs": 32, "prefix": 100, "ext": 1, "fp_mode": FingerprintMode.PARTIAL, "fp_bytes": 64},
+    {"bs": 5, "prefix": 50, "ext": 20, "pad_tokens": 37, "contiguous": True, "corrupt": 0},
+]
+
+
+@pytest.mark.parametrize("k", range(len(LARGE)))
+def test_large_bracket_matches_reference(k: int) -> None:
+    b = make_batch(100 + k, **LARGE[k])  # type: ignore[arg-type]
+    ref = run_bracket(b, "torch")
+    got = run_bracket(b, "cuda")
+    assert_brackets_equal(got, ref, f"case {k}")
+
+
+def test_clean_large_bracket_reports_nothing() -> None:
+    b = make_batch(7, bs=4, prefix=[0, 5000, 17, 1024], ext=[3000, 1, 2000, 9000], corrupt=0, expect=True, pool=True,
+                   fp_mode=FingerprintMode.ALL, fp_bytes=512)
+    got = run_bracket(b, "cuda")
+    assert int(got["sink"].count[0]) == 0, got["sink"].rows[:4]
+    # The TAIL write's records verify clean in the next forward's TAIL verify (chain continuity across tiles).
+    sink = Sink.allocate(64, CUDA)
+    plan = torch.zeros(4, NUM_PLAN_COLS, dtype=torch.int64, device=CUDA)
+    status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=CUDA)
+    plan_forward(plan, status, b.rpi, b.pre + b.ext, torch.zeros_like(b.ext), b.table, 0, backend="cuda")
+    tail = GroupView(got["tail"], b.tail.group, b.tail.reserved_slots, b.tail.swa_map)
+    verify(tail, Stage.TAIL, plan, status, b.table, sink, fingerprint=b.fp, backend="cuda")
+    assert int(sink.count[0]) == 0
+    assert int(status[PlanStatusCol.VERIFY_ENTRIES]) == int((b.pre + b.ext).sum())
+
+
+# ---- CUDA graphs: capture a whole bracket, replay with other contents ---------------------------------------------
+
+def test_graph_capture_and_replay_with_changed_batches() -> None:
+    bs, width, T = 6, 900, 1200
+    num_slots = bs * width + 1
+    srcs = [[SourceSpec(torch.randint(0, 256, (num_slots, 256), dtype=torch.uint8, device=CUDA))] for _ in range(2)]
+    fp = Fingerprint(FingerprintSources(srcs, num_slots), FingerprintMode.ALL)
+    table = torch.zeros(bs, width, dtype=torch.int64, device=CUDA)
+    head = GroupView(torch.zeros(num_slots, 2, 4, dtype=torch.int64, device=CUDA), reserved_slots=1)
+    tail = GroupView(torch.zeros(num_slots, 2, 4, dtype=torch.int64, device=CUDA), reserved_slots=1)
+    rpi, pre, ext = (torch.zeros(bs, dtype=torch.int64, device=CUDA) for _ in range(3))
+    ids, pos, loc = (torch.zeros(T, dtype=torch.int64, device=CUDA) for _ in range(3))
+    plan = torch.zeros(bs, NUM_PLAN_COLS, dtype=torch.int64, device=CUDA)
+    status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=CUDA)
+    sink = Sink.allocate(1024, CUDA)
+
+    def bracket(backend: str, h: GroupView, t: GroupView, s: Sink, p: torch.Tensor, st: torch.Tensor,
+                tbl: torch.Tensor, r: torch.Tensor, pr: torch.Tensor, ex: torch.Tensor, i: torch.Tensor,
+                q: torch.Tensor, lc: torch.Tensor) -> None:
+        plan_forward(p, st, r, pr, ex, tbl, T, backend=backend)
+        verify(h, Stage.HEAD, p, st, tbl, s, backend=backend)
+        write(h, Stage.HEAD, p, st, tbl, i, q, lc, s, checks=ALL_CHECKS, backend=backend)
+        verify(t, Stage.TAIL, p, st, tbl, s, fingerprint=fp, backend=backend)
+        write(t, Stage.TAIL, p, st, tbl, i, q, lc, s, checks=ALL_CHECKS, fingerprint=fp, backend=backend)
+
+    args = (head, tail, sink, plan, status, table, rpi, pre, ext, ids, pos, loc)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        bracket("cuda", *args)  # warm-up (module load, occupancy queries) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bracket("cuda", *args)
+    for seed in range(4):
+        rng = random.Random(seed)
+        pres = [rng.randrange(0, 700) for _ in range(bs)]
+        exts = [rng.randrange(0, 190) for _ in range(bs)]
+        b = make_batch(50 + seed, bs=bs, prefix=pres, ext=exts, halves=2, corrupt=seed, reserved=1,
+                       contiguous=seed % 2 == 0)
+        assert b.head.num_slots <= num_slots and b.table.shape[1] <= width
+        for h in range(2):  # same fingerprint sources: new random KV bytes in place
+            srcs[h][0].tensor.copy_(torch.randint(0, 256, (num_slots, 256), dtype=torch.uint8, device=CUDA))
+        # Load this batch into the static tensors (same shapes, new values).
+        head.records.zero_()
+        tail.records.zero_()
+        head.records[:b.head.num_slots] = b.head.records
+        tail.records[:b.tail.num_slots] = b.tail.records
+        every = torch.arange(num_slots, device=CUDA)
+        for h in range(2):  # TAIL prefix records carry the fingerprints of this batch's KV bytes
+            tail.records[:, h, 3] = fingerprint(fp.sources, h, every, tail.records[:, h, 1].clamp(min=0),
+                                                FingerprintMode.ALL, backend="torch")
+        table.fill_(-1)
+        table[:, :b.table.shape[1]] = b.table
+        rpi.copy_(b.rpi)
+        pre.copy_(b.pre)
+        ext.copy_(b.ext)
+        n = b.ids.shape[0]
+        ids.zero_()
+        pos.zero_()
+        loc.fill_(-1)
+        ids[:n], pos[:n], loc[:n] = b.ids, b.pos, b.loc
+        for tnsr in (sink.rows, sink.count, sink.counters):
+            tnsr.zero_()
+        sink.step.fill_(seed)
+        ref_args = (GroupView(head.records.clone(), reserved_slots=1),
+                    GroupView(tail.records.clone(), reserved_slots=1),
+                    Sink.allocate(1024, CUDA), plan.clone(), status.clone(), table, rpi, pre, ext, ids, pos, loc)
+        ref_args[2].step.fill_(seed)
+        bracket("torch", *ref_args)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(status, ref_args[4]), seed
+        assert torch.equal(head.records, ref_args[0].records), seed
+        assert torch.equal(tail.records, ref_args[1].records), seed
+        assert_sinks_equal(sink, ref_args[2], f"replay {seed}")
+        if seed:
+            assert int(sink.count[0]) > 0  # the corruptions were found inside the replay
+
+
+# ---- fingerprint and scatter_tokens ops ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(30))
+def test_fingerprint_op_matches(seed: int) -> None:
+    rng = random.Random(seed)
+    num_slots = rng.randint(1, 3000)
+    halves, n_src = rng.choice([1, 2]), rng.randint(1, 4)
+    specs = []
+    for _ in range(halves):
+        hs = []
+        for _ in range(n_src):
+            page = rng.choice([1, 1, 4, 16])
+            bpt = 16 * rng.randint(1, 160)
+            rows = -(-num_slots // page)
+            t = torch.randint(0, 256, (rows, page * bpt + 16 * rng.randint(0, 2)), dtype=torch.uint8)
+            if rng.random() < 0.5:
+                t = t.view(torch.bfloat16)
+            hs.append(SourceSpec(t, page_size=page, bytes_per_token=bpt,
+                                 read_bytes=rng.choice([None, 16, 16 * rng.randint(1, bpt // 16)])))
+        specs.append(hs)
+    cpu_src = FingerprintSources(specs, num_slots)
+    gpu_src = sources_to(cpu_src, CUDA)
+    n = rng.randint(0, 5000)
+    slots = torch.randint(-3, num_slots + 3, (n,))
+    positions = torch.randint(-2, 5000, (n,))
+    positions[::97] = TOKEN_LIMIT
+    for mode in (FingerprintMode.PARTIAL, FingerprintMode.ALL):
+        stride = rng.choice([1, 2, 3])
+        half = rng.randrange(halves)
+        want = fingerprint(cpu_src, half, slots, positions, mode, stride, backend="cpu")
+        got = fingerprint(gpu_src, half, slots.to(CUDA), positions.to(CUDA), mode, stride, backend="cuda")
+        ref = fingerprint(gpu_src, half, slots.to(CUDA), positions.to(CUDA), mode, stride, backend="torch")
+        assert torch.equal(got.cpu(), want), (seed, mode)
+        assert torch.equal(got, ref), (seed, mode)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_scatter_tokens_matches(seed: int) -> None:
+    rng = random.Random(seed)
+    R, L = rng.randint(1, 300), rng.randint(1, 5000)
+    n = rng.randint(0, R)
+    rows = torch.tensor(rng.sample(range(R), n), dtype=torch.int64)  # distinct rows (duplicates: undefined order)
+    if n and rng.random() < 0.5:
+        rows[rng.randrange(n)] = rng.choice([-1, R])
+    starts = torch.randint(-1, L, (n,))
+    counts = torch.randint(-1, 600, (n,))
+    T = int(counts.clamp(min=0).sum()) - rng.choice([0, 0, 50])
+    tokens = torch.randint(0, 100_000, (max(T, 0),))
+    outs = {}
+    for backend, dev in (("cpu", "cpu"), ("cuda", CUDA), ("torch", CUDA)):
+        pool = TokenPool(torch.full((R, L), -5, dtype=torch.int64, device=dev), torch.zeros(R, dtype=torch.int64,
+                                                                                          device=dev))
+        status = torch.full((1,), 3, dtype=torch.int64, device=dev)
+        scatter_tokens(pool, rows.to(dev), starts.to(dev), counts.to(dev), tokens.to(dev), status, backend=backend)
+        outs[backend] = (pool.tokens.cpu(), pool.lens.cpu(), status.cpu())
+    for other in ("cpu", "torch"):
+        for a, b in zip(outs["cuda"], outs[other], strict=True):
+            assert torch.equal(a, b), other
+
+
+def test_native_entries_refuse_cpu_tensors() -> None:
+    from kvcanary import _native  # noqa: PLC0415
+
+    mod = _native.module("cuda")
+    z = torch.zeros(4, NUM_PLAN_COLS, dtype=torch.int64)
+    s = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64)
+    e = torch.zeros(0, dtype=torch.int64)
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError):
+        mod.plan_forward(z, s, one, one, one, torch.zeros(1, 1, dtype=torch.int64), e, 0, e, 0, 1, 0, -1)
+    with pytest.raises(ValueError):
+        mod.fingerprint(torch.zeros(1, 1, 5, dtype=torch.int64), 0, one, one, 2, 1, 1, one)
