@@ -113,3 +113,18 @@ def test_pool_too_small_raises(model_cfg: ModelConfig) -> None:
     engine = Engine(EngineConfig(num_slots=40, auto_retract=False, chunk_size=8), model_cfg)
     with pytest.raises(PoolExhaustedError):
         engine.generate(make_requests(2, prompt_len=10, new=20))
+
+
+def test_spec_prefix_reuse_past_another_requests_end(model_cfg: ModelConfig, draft_cfg: ModelConfig) -> None:
+    """The draft slot at a cached chain's end holds KV of the inserter's next token: reuse must check it."""
+    base = make_requests(1, prompt_len=16, new=4)[0]
+    shadow = ShadowChecker(1024)
+    engine = Engine(EngineConfig(chunk_size=8, spec_num_draft=2), model_cfg, draft_cfg, hooks=shadow)
+    out0 = engine.generate([base])["r0"]
+    fork = Request("fork", base.prompt + tuple(out0[:2]) + ((out0[2] + 1) % 128, 9, 9, 9), 5)
+    out1 = engine.generate([fork])["fork"]
+    follow = Request("follow", fork.prompt + tuple(out1) + (3, 4), 5)
+    engine.generate([follow])
+    assert engine.stats.prefix_hit_tokens > len(fork.prompt)
+    assert shadow.violations == []
+    assert_no_leak(engine)

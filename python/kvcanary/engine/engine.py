@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -89,7 +89,6 @@ class _Models:
     target_pool: KVPool
     draft: TinyTransformer | None = None
     draft_pool: KVPool | None = None
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class Engine:
@@ -301,12 +300,12 @@ class Engine:
         """Reuse the longest usable cached prefix (locks its node)."""
         if self.radix is None:
             return
-        match = self.radix.match(state.tokens)
+        match = self.radix.match(self._radix_key(state.tokens, len(state.tokens) - 1))
         if self.faults.config.wrong_prefix_hit > 0:
             match = self._maybe_wrong_match(state, match)
         size = self.config.page_size
-        limit = min(match.length - (1 if self.spec else 0), len(state.tokens) - 1)
-        limit = self._swa_usable(match.slots, max(0, limit) // size * size)
+        limit = min(match.length, len(state.tokens) - 1)
+        limit = self._swa_usable(match.slots, limit // size * size)
         if limit <= 0:
             return
         state.cached_len = state.kv_len = state.draft_len = limit
@@ -320,14 +319,25 @@ class Engine:
         """Fault: return the chain of a node whose key is not a prefix of the request's tokens."""
         if self.radix is None:
             return match
-        others = []
+        others, own = [], self._radix_key(state.tokens, len(state.tokens) - 1)
         for node in self.radix.nodes():
             key, slots = self.radix.path(node)
-            if tuple(state.tokens[:len(key)]) != key:
+            if tuple(own[:len(key)]) != key:
                 others.append(MatchResult(slots, node))
         if not others or not self.faults.fire("wrong_prefix_hit"):
             return match
         return others[self.faults.choice(len(others))]
+
+    def _radix_key(self, tokens: list[int], length: int) -> list[int]:
+        """Cache key of the first `length` positions.
+
+        With speculation the key of position p is the bigram (t_p, t_p+1): the draft slot at p holds
+        KV computed for t_p+1, so a cached chain may only be reused where the next token agrees too.
+        """
+        if not self.spec:
+            return tokens[:length]
+        vocab = self.models.target.config.vocab_size
+        return [tokens[p] * vocab + tokens[p + 1] for p in range(length)]
 
     def _swa_usable(self, slots: torch.Tensor, limit: int) -> int:
         """Longest page-aligned prefix <= limit whose last window positions are SWA-resident."""
@@ -350,7 +360,7 @@ class Engine:
         tree_from = state.cached_len // size
         if self.radix is not None and cut > 0:
             slots = self.allocator.page_slots(state.pages[:cut // size])
-            existing, _ = self.radix.insert(state.tokens[:cut], slots)
+            existing, _ = self.radix.insert(self._radix_key(state.tokens, cut), slots)
             first_new = max(existing, state.cached_len) // size
             self._free_pages(state.pages[tree_from:first_new])
             inserted = state.pages[first_new:cut // size]
