@@ -136,7 +136,7 @@ class CanaryManager:
         self._captured: set[tuple[int, int, int]] = set()
         self._step_batches: dict[int, StepBatch] = {}
         self._pool_rows: dict[Hashable, tuple[int, int]] = {}  # POOL truth: request -> (row, tokens uploaded)
-        self._cursor: dict[Hashable, int] = {}  # WINDOW policy: request -> stripe cursor
+        self._cursor: dict[Hashable, tuple[int, int]] = {}  # WINDOW policy: request -> (cursor, pass end)
         self._last_seen: dict[Hashable, int] = {}
         self._window_first = 1
         self._stage_next = 0
@@ -472,19 +472,26 @@ class CanaryManager:
         scatter_tokens(st.token_pool, meta[0], meta[1], meta[2], tokens, st.scatter_status, backend=self.backend)
 
     def _stripe(self, rid: Hashable, pre: int, kind: ForwardKind) -> int:
-        """WINDOW policy: end of this forward's stripe of older slots (a host cursor per request)."""
+        """WINDOW policy: end of this forward's stripe of older slots.
+
+        A host cursor per request walks ``[0, pass_end)`` in steps of ``stripe_size``, where ``pass_end`` is the
+        count of older slots when the pass began; then a new pass starts at 0. So an older slot corrupted at any
+        time is verified within 2 * ceil((P - window_links) / stripe_size) forwards of its request (P = prefix
+        length then), within ceil(...) when the prefix does not grow; slots of idle cached chains are the
+        sweep's (within ``sweep_interval`` forwards).
+        """
         cfg = self.config
         older = max(0, pre - cfg.window_links)
         if older == 0:
             if kind != ForwardKind.CAPTURE:
                 self.health.coverage.observe(rid, pre, pre)
             return 0
-        cur = self._cursor.get(rid, 0)
-        if cur >= older:
-            cur = 0
-        end = min(older, cur + cfg.stripe_size)
+        cur, pass_end = self._cursor.get(rid, (0, 0))
+        if cur >= pass_end or pass_end > older:  # start a pass (also after a rewind of the prefix)
+            cur, pass_end = 0, older
+        end = min(pass_end, cur + cfg.stripe_size)
         if kind != ForwardKind.CAPTURE:
-            self._cursor[rid] = end
+            self._cursor[rid] = (end, pass_end)
             self.health.coverage.observe(rid, pre, min(pre, cfg.window_links) + min(cfg.stripe_size, end))
         return end
 
