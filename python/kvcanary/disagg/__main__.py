@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from .engines import Workload
+from .engines import MODELS, Workload
 from .launcher import LaunchConfig, launch
 from .transport import FaultName, FaultSpec
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, bool, str | None]:
-    """Command line -> (LaunchConfig, print JSON, output file)."""
+def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], argparse.Namespace]:
+    """Command line -> one LaunchConfig per requested model, and the raw options."""
     p = argparse.ArgumentParser(prog="python -m kvcanary.disagg", description=__doc__)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--requests", type=int, default=4)
@@ -21,7 +23,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, bool, str |
     p.add_argument("--target", type=int, default=1, help="0-based transfer index the fault hits")
     p.add_argument("--fault-seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=1, help="truncate_layers: trailing layers that never arrive")
-    p.add_argument("--model", choices=("full", "swa"), default="full")
+    p.add_argument("--model", nargs="+", choices=sorted(MODELS), default=["full"],
+                   help="model preset(s); several run one after the other")
     p.add_argument("--prompt-len", default="12:40", help="MIN[:MAX] prompt length")
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
@@ -34,30 +37,39 @@ def parse_args(argv: list[str] | None = None) -> tuple[LaunchConfig, bool, str |
     p.add_argument("--out", help="also write the JSON result to this file")
     a = p.parse_args(argv)
     lo, _, hi = a.prompt_len.partition(":")
-    return LaunchConfig(device=a.device, model=a.model,
-                        workload=Workload(a.requests, int(lo), int(hi or lo), a.max_new_tokens, a.seed),
-                        fault=FaultSpec(FaultName(a.fault), a.target, a.fault_seed, a.layers),
-                        canary=not a.no_canary, backend=a.backend, timeout_s=a.timeout,
-                        reference=not a.no_reference, page_size=a.page_size), bool(a.json), a.out
+    workload = Workload(a.requests, int(lo), int(hi or lo), a.max_new_tokens, a.seed)
+    fault = FaultSpec(FaultName(a.fault), a.target, a.fault_seed, a.layers)
+    base = LaunchConfig(device=a.device, workload=workload, fault=fault, canary=not a.no_canary, backend=a.backend, timeout_s=a.timeout,
+                        reference=not a.no_reference, page_size=a.page_size)
+    return [dataclasses.replace(base, model=m) for m in a.model], a
+
+
+def _line(r: dict[str, Any]) -> str:
+    ov = r["overhead"]
+    return "\n".join([
+        f"disagg {r['device']} model={r['model']} requests={r['requests']} fault={r['fault']}",
+        f"  ok={r['ok']} failed={r['failed']}",
+        f"  detected={r['detected']} prefill_violations={r['prefill_violations']}",
+        f"  outputs_match_reference={r['outputs_match_reference']} errors={r['errors']}",
+        f"  transfer: kv={ov['kv_bytes']} B canary={ov['canary_bytes']} B ({ov['canary_pct_of_kv']}% of KV); "
+        f"per slot {ov['bytes_per_row']}"])
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run and print; exit status 0 when the run behaved as the fault predicts."""
-    cfg, as_json, out = parse_args(argv)
-    result = launch(cfg)
+    """Run each model and print (text or JSON); exit 1 when a role crashed, hung or was not predicted to fail."""
+    cfgs, a = parse_args(argv)
+    runs = [launch(cfg) for cfg in cfgs]
+    result: dict[str, Any] = runs[0] if len(runs) == 1 else {"runs": runs}
     text = json.dumps(result, indent=2, default=str)
-    if out:
-        Path(out).write_text(text + "\n")
-    if as_json:
-        print(text)
-    else:
-        ov = result["overhead"]
-        print(f"disagg {cfg.device} model={cfg.model} requests={cfg.workload.count} fault={result['fault']}")
-        print(f"  ok={result['ok']} failed={result['failed']}")
-        print(f"  detected={result['detected']} prefill_violations={result['prefill_violations']}")
-        print(f"  outputs_match_reference={result['outputs_match_reference']} errors={result['errors']}")
-        print(f"  transfer: kv={ov['kv_bytes']} B canary={ov['canary_bytes']} B ({ov['canary_pct_of_kv']}% of KV)")
-    return 0
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    print(text if a.json else "\n".join(_line(r) for r in runs))
+    expected_death = {FaultName.KILL_DECODE, FaultName.KILL_PREFILL}
+    typed = {"PeerLostError", "TransferTimeoutError", "TransferProtocolError", "TransferError"}
+    bad = [r for r in runs if "hung" in r["exitcodes"].values() or
+           any(e is not None and e["type"] not in typed for e in r["errors"].values()) or
+           (FaultName(r["fault"]) not in expected_death and set(r["exitcodes"].values()) != {0})]
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

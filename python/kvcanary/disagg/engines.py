@@ -18,11 +18,14 @@ from kvcanary.errors import CanaryInputError
 MODELS: dict[str, ModelConfig] = {
     "full": ModelConfig(num_layers=3, seed=11),
     "swa": ModelConfig(num_layers=4, sliding_layers=(1, 3), sliding_window=8, seed=12),
+    # KV rows of a realistic width (8 KV heads x 128 dims, bf16: 2 KiB per layer and half) for overhead figures
+    "wide": ModelConfig(num_layers=8, num_heads=8, num_kv_heads=8, head_dim=128, hidden=256, intermediate=512,
+                        dtype=torch.bfloat16, seed=13),
 }
 
 
 def model_config(name: str) -> ModelConfig:
-    """A model preset: 'full' (full attention only) or 'swa' (with sliding-window layers)."""
+    """A model preset: 'full' (full attention only), 'swa' (with sliding-window layers) or 'wide' (wide KV rows)."""
     if name not in MODELS:
         raise CanaryInputError(f"model must be one of {sorted(MODELS)}, got {name!r}")
     return MODELS[name]

@@ -105,6 +105,11 @@ class TransferLayout:
                 kv += seg.nbytes
         return kv, canary
 
+    def row_bytes(self, group: Group) -> tuple[int, int]:
+        """(KV bytes, canary record bytes) that one slot of ``group`` adds to a transfer."""
+        kv = sum(i.row_bytes for i in self.items if i.group == group and not i.canary)
+        return kv, sum(i.row_bytes for i in self.items if i.group == group and i.canary)
+
     def view(self, buf: torch.Tensor, index: int, full_rows: int, swa_rows: int) -> torch.Tensor:
         """Item ``index``'s rows inside a payload, as uint8 [rows, row_bytes] (a view)."""
         seg = self.segments(full_rows, swa_rows)[index]

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcanary_schema import Group
+
 from kvcanary.engine.scheduler import ReqState, Request
 
 from .canary import CanaryBinding, engine_layout
@@ -29,6 +31,7 @@ class RoleReport:
     kv_bytes: int = 0
     canary_bytes: int = 0
     faults_fired: list[dict[str, object]] = field(default_factory=list)
+    bytes_per_row: dict[str, dict[str, int]] = field(default_factory=dict)  # group -> {kv, canary} per slot
     outputs: dict[str, list[int]] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -45,6 +48,16 @@ class RoleReport:
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
         return dict(vars(self))
+
+
+def per_row(layout: TransferLayout) -> dict[str, dict[str, int]]:
+    """KV and canary bytes one slot of each group adds to a transfer."""
+    out = {}
+    for group in Group:
+        kv, canary = layout.row_bytes(group)
+        if kv or canary:
+            out[group.name] = {"kv": kv, "canary": canary}
+    return out
 
 
 def handshake(channel: Channel, layout: TransferLayout, first: bool) -> None:
@@ -69,6 +82,7 @@ class PrefillRole:
         self.layout = engine_layout(engine, canary)
         engine.on_prefilled = self._transfer
         self.report = RoleReport("prefill")
+        self.report.bytes_per_row = per_row(self.layout)
         self._index = 0
 
     def run(self, requests: list[Request]) -> RoleReport:
