@@ -39,8 +39,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], argpa
     lo, _, hi = a.prompt_len.partition(":")
     workload = Workload(a.requests, int(lo), int(hi or lo), a.max_new_tokens, a.seed)
     fault = FaultSpec(FaultName(a.fault), a.target, a.fault_seed, a.layers)
-    base = LaunchConfig(device=a.device, workload=workload, fault=fault, canary=not a.no_canary, backend=a.backend, timeout_s=a.timeout,
-                        reference=not a.no_reference, page_size=a.page_size)
+    base = LaunchConfig(device=a.device, workload=workload, fault=fault, canary=not a.no_canary, backend=a.backend,
+                        timeout_s=a.timeout, reference=not a.no_reference, page_size=a.page_size)
     return [dataclasses.replace(base, model=m) for m in a.model], a
 
 
