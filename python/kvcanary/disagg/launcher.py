@@ -118,7 +118,7 @@ def summarize(cfg: LaunchConfig, prefill: dict[str, Any], decode: dict[str, Any]
     ok = sorted(rid for rid, e in dreq.items() if e.get("status") == "ok")
     failed = {rid: f"prefill: {e.get('reason')}" for rid, e in prefill.get("requests", {}).items()
               if e.get("status") == "failed"}
-    failed.update({rid: e.get("reason") for rid, e in dreq.items() if e.get("status") == "failed"})
+    failed.update({rid: str(e.get("reason")) for rid, e in dreq.items() if e.get("status") == "failed"})
     kv, canary = int(prefill.get("kv_bytes", 0)), int(prefill.get("canary_bytes", 0))
     by_req: dict[str, list[str]] = {}
     for v in decode.get("violations", []):
@@ -157,7 +157,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     reports: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvcanary-disagg-") as tmp:
         paths = [os.path.join(tmp, f"role{r}.json") for r in (PREFILL_RANK, DECODE_RANK)]
-        procs = [ctx.Process(target=_role_main, args=(r, cfg, port, paths[r]), daemon=True)
+        procs = [ctx.Process(target=_role_main, args=(r, cfg, port, paths[r]), daemon=True)  # type: ignore[attr-defined]
                  for r in (PREFILL_RANK, DECODE_RANK)]
         for p in procs:
             p.start()
