@@ -125,6 +125,7 @@ class FakeEngine:
     def batch(self, pad_to: int = 0, rids: list[str] | None = None) -> BatchView:
         """The next forward: prefill for new requests, one decode token for the others."""
         d = torch.device(self.device)
+        self.evict_swa()
         rows, pres, exts, ids, poss, locs, names, truth = [], [], [], [], [], [], [], []
         for rid in rids if rids is not None else list(self.reqs):
             r = self.reqs[rid]
@@ -173,11 +174,14 @@ class FakeEngine:
             r = self.reqs[rid]
             r.kv_len = batch.prefix_lens_host[i] + batch.extend_lens_host[i]
             r.history.append(next_token(rid, len(r.history)))
+        self.step += 1
+
+    def evict_swa(self) -> None:
+        """Between forwards: SWA slots that fell out of every running request's window leave the SWA pool."""
         if self.swa_map is not None:
             for r in self.reqs.values():
                 old = self.req_to_token[r.row, :max(0, r.kv_len - self.swa_window)].long()
                 self.swa_map[old] = NO_SLOT
-        self.step += 1
 
 
 def kv_value(token: int, position: int, layer: int, half: int, dim: int) -> torch.Tensor:

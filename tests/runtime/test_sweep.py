@@ -1,0 +1,112 @@
+"""Sweep: cached chains verified with fingerprints, unlocked filter, SWA residency, completion counted late."""
+
+from __future__ import annotations
+
+import torch
+from kvcanary_schema import FailReason, RecordField, Stage
+
+from kvcanary.config import CanaryConfig
+from kvcanary.manager import install
+from kvcanary.sweep import Sweeper
+
+from .fake_engine import FakeEngine
+from .helpers import run, setup, step, total, violations
+
+
+def test_sweep_catches_idle_cached_corruption_only_by_sweep() -> None:
+    eng, m = setup(n_reqs=0, fingerprint="all", sweep_interval=3)
+    eng.add("a", [1, 2, 3, 4])
+    eng.add("b", [5, 6, 7])
+    run(eng, m, 2)
+    eng.finish("a")
+    slot = eng.cache[0].slots[1]
+    eng.kv[1][0][slot, 0] += 1.0  # V of layer 0 of a cached, idle slot
+    reports = run(eng, m, 3)  # forward 3 sweeps; nothing else reads that slot
+    vs = violations(reports)
+    assert vs and all(v.tag.stage == Stage.SWEEP and v.reasons == FailReason.VERIFY_FINGERPRINT for v in vs)
+    assert {v.slot for v in vs} == {slot} and all(v.request_id is None for v in vs)
+
+
+def test_unlocked_only_filter() -> None:
+    for unlocked_only, expect in ((False, True), (True, False)):
+        eng, m = setup(n_reqs=0, sweep_unlocked_only=unlocked_only)
+        eng.add("a", [1, 2, 3, 4])
+        run(eng, m, 1)
+        eng.finish("a")
+        eng.add("a2", [1, 2, 3, 4, 5])  # holds a's chain: locked
+        assert m.state.pool.groups[0] is not None
+        chain = eng.cache[0]
+        assert chain.locks == 1
+        m.state.groups[0].tail.records[chain.slots[0], 0, RecordField.POSITION] += 3
+        assert m.sweep()
+        rep = m.flush()
+        assert rep is not None
+        assert any(v.tag.stage == Stage.SWEEP for v in rep.violations) == expect
+
+
+def test_completed_sweeps_counted_after_results() -> None:
+    eng, m = setup(n_reqs=1, sweep_interval=2, report_interval=4)
+    eng.finish("r0")
+    eng.add("r1", [3, 4, 5])
+    step(eng, m)
+    step(eng, m)  # sweep launched here, window not reported yet
+    assert m.sweeper.launched == 1 and m.sweeps_completed == 0
+    step(eng, m)
+    step(eng, m)  # window staged and collected: two sweeps' results known
+    assert m.sweeper.launched == 2 and m.sweeps_completed == 2
+
+
+def test_on_demand_sweep_and_chunking() -> None:
+    eng = FakeEngine()
+    m = install(eng, CanaryConfig(sweep_capacity=2, stats_interval=0, sweep_interval=0))
+    for i in range(5):
+        eng.add(f"c{i}", [20 + i, 30 + i, 40 + i])
+    run(eng, m, 1)
+    for i in range(5):
+        eng.finish(f"c{i}")
+    assert m.sweep()
+    rep = m.flush()
+    assert rep is not None and rep.total == 0
+    from kvcanary_schema import CounterCol, LaunchTag
+    c = m.state.sink.counters
+    assert int(c[LaunchTag.SWEEP_K_FULL, CounterCol.VERIFY_RUNS]) == 3  # ceil(5 chains / capacity 2)
+    assert int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]) == 15
+    assert not m.health.problems
+
+
+def test_swa_group_clean_with_eviction_and_sweeps() -> None:
+    eng = FakeEngine(swa_window=3)
+    m = install(eng, CanaryConfig(fingerprint="all", sweep_interval=2, stats_interval=0, mode="raise"))
+    eng.add("a", [1, 2, 3, 4, 5, 6])
+    eng.add("b", [7, 8, 9])
+    run(eng, m, 4)
+    eng.finish("a")
+    reports = run(eng, m, 4)
+    assert total(reports) == 0
+    from kvcanary_schema import CounterCol, LaunchTag
+    c = m.state.sink.counters
+    assert int(c[LaunchTag.SWEEP_K_SWA, CounterCol.SKIPPED]) > 0  # evicted SWA slots skipped, not flagged
+    assert int(c[LaunchTag.HEAD_K_SWA, CounterCol.ENTRIES_CHECKED]) > 0
+    assert int(c[LaunchTag.HEAD_K_FULL, CounterCol.ENTRIES_CHECKED]) > int(c[LaunchTag.HEAD_K_SWA,
+                                                                                CounterCol.ENTRIES_CHECKED])
+
+
+def test_swa_corruption_inside_window_reported_with_swa_tag() -> None:
+    eng = FakeEngine(swa_window=3)
+    m = install(eng, CanaryConfig(fingerprint="all", stats_interval=0, sweep_interval=0))
+    eng.add("a", [1, 2, 3, 4, 5, 6])
+    run(eng, m, 1)
+    r = eng.reqs["a"]
+    t = int(eng.req_to_token[r.row, r.kv_len - 2])
+    g = int(eng.swa_map[t])  # type: ignore[index]
+    assert eng.swa_kv is not None
+    eng.swa_kv[0][0][g, 1] += 0.5
+    vs = violations(run(eng, m, 1))
+    assert vs and {v.tag.name for v in vs} == {"TAIL_K_SWA"} and vs[0].slot == g
+
+
+def test_empty_export_sweep_is_a_launch() -> None:
+    eng, m = setup(n_reqs=0)
+    assert m.sweep(Sweeper.empty_export(torch.device("cpu")))
+    m.flush()
+    assert not m.health.problems
