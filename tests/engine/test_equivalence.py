@@ -8,7 +8,17 @@ import pytest
 import torch
 from conftest import make_requests
 from engine_shadow import ShadowChecker, run_checked, sequential
-from kvcanary.engine import ConfigError, Engine, EngineConfig, ForwardMode, ModelConfig, PoolKind, Request, RequestError
+from kvcanary.engine import (
+    ConfigError,
+    Engine,
+    EngineConfig,
+    ForwardBatch,
+    ForwardMode,
+    ModelConfig,
+    PoolKind,
+    Request,
+    RequestError,
+)
 
 
 @pytest.mark.parametrize("cfg", [
@@ -73,6 +83,38 @@ def test_sliding_window(swa_cfg: ModelConfig) -> None:
     assert engine.swa is not None
     resident = int((engine.swa.host[1:] >= 0).sum())
     assert resident <= engine.radix.total_slots() if engine.radix else resident == 0
+
+
+class _SwaResidency(ShadowChecker):
+    """Also checks that the last `window` prefix positions of every target row are SWA-resident."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__(1024)
+        self.window = window
+        self.engine: Engine | None = None
+        self.missing = 0
+
+    def before_forward(self, batch: ForwardBatch, pool_kind: PoolKind) -> None:
+        super().before_forward(batch, pool_kind)
+        if pool_kind != PoolKind.TARGET or self.engine is None or self.engine.swa is None:
+            return
+        table, smap = batch.req_to_token.cpu(), self.engine.swa.device_map.cpu()
+        for i in range(batch.real_batch_size):
+            pre = batch.prefix_lens_host[i]
+            slots = table[batch.req_pool_indices_host[i], max(0, pre - self.window):pre]
+            self.missing += int((smap[slots] < 0).sum())
+
+
+def test_sliding_window_keeps_last_window_resident(swa_cfg: ModelConfig) -> None:
+    reqs = make_requests(4, shared=10, prompt_len=18, new=12)
+    hooks = _SwaResidency(swa_cfg.sliding_window)
+    engine = Engine(EngineConfig(chunk_size=5, num_swa_slots=128, spec_num_draft=2), swa_cfg,
+                    ModelConfig(num_layers=1, dtype=torch.float64), hooks=hooks)
+    hooks.engine = engine
+    engine.generate(reqs[:1])
+    out = engine.generate(reqs[1:])
+    assert hooks.missing == 0 and hooks.violations == []
+    assert out == {k: v for k, v in sequential(reqs, swa_cfg).items() if k != "r0"}
 
 
 def test_sliding_window_frees_out_of_window_slots(swa_cfg: ModelConfig) -> None:
