@@ -128,3 +128,17 @@ def test_spec_prefix_reuse_past_another_requests_end(model_cfg: ModelConfig, dra
     assert engine.stats.prefix_hit_tokens > len(fork.prompt)
     assert shadow.violations == []
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("cfg", [
+    {}, {"spec_num_draft": 3}, {"spec_num_draft": 1, "page_size": 4, "chunk_size": 3},
+    {"chunk_size": 1, "decode_pad_multiple": 3}, {"chunk_size": 2, "mixed_batching": True, "page_size": 2}])
+def test_edge_cases(model_cfg: ModelConfig, draft_cfg: ModelConfig, cfg: dict[str, Any]) -> None:
+    """One-token prompts, one new token, identical prompts in one batch and again later."""
+    reqs = [Request("a", (5,), 1), Request("b", (7,), 6), Request("c", tuple(range(1, 9)), 1),
+            Request("d", (5,), 3), Request("e", tuple(range(1, 9)), 4)]
+    draft = draft_cfg if cfg.get("spec_num_draft") else None
+    engine, _, out = run_checked(reqs, model_cfg, draft, **cfg)
+    again = [Request(r.rid + "2", r.prompt, r.max_new_tokens) for r in reqs]
+    assert engine.generate(again) == {r.rid + "2": out[r.rid] for r in reqs}
+    assert out == sequential(reqs, model_cfg)
