@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvcanary.engine.engine import Engine
+from kvcanary.errors import CanaryInputError
 
 from .canary import CanaryBinding
 from .decode import DecodeRole
@@ -79,6 +80,10 @@ def _run_role(rank: int, cfg: LaunchConfig, port: int) -> tuple[dict[str, Any], 
     gpu = cfg.device == "cuda"
     device = torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
     if gpu:
+        # a payload wait must raise on timeout (not only stall the stream); keep the process alive to report it
+        for key, value in (("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),
+                           ("NCCL_NVLS_ENABLE", "0")):
+            os.environ.setdefault(key, value)
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=cfg.timeout_s)
     if gpu:
@@ -150,6 +155,8 @@ def summarize(cfg: LaunchConfig, prefill: dict[str, Any], decode: dict[str, Any]
 
 def launch(cfg: LaunchConfig) -> dict[str, Any]:
     """Run both roles to completion (or kill them after a generous deadline) and summarize their reports."""
+    if cfg.device == "cuda" and torch.cuda.device_count() < 2:
+        raise CanaryInputError(f"--device cuda needs 2 GPUs (one per role), found {torch.cuda.device_count()}")
     ctx = mp.get_context(cfg.start_method)
     if cfg.start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "kvcanary.disagg.launcher", "kvcanary.disagg.runtime_glue"])
