@@ -63,27 +63,33 @@ class Health:
         self.expected[tag, 0] += verify_runs
         self.expected[tag, 1] += write_runs
 
+    def expect_all(self, runs: torch.Tensor) -> None:
+        """Add a whole [NUM_LAUNCH_TAGS, 2] table of (verify, write) launches (one forward's)."""
+        self.expected += runs
+
     def check(self, counters: torch.Tensor, phase: torch.Tensor, plan_status: torch.Tensor, dropped: int,
               capacity: int) -> list[HealthProblem]:
         """Check one staged snapshot (host tensors) against the expectations at staging time."""
         found: list[HealthProblem] = []
         if self.watchdog:
-            runs = counters[:, [CounterCol.VERIFY_RUNS, CounterCol.WRITE_RUNS]]
-            short = (runs < self.expected).any(dim=1).nonzero().flatten().tolist()
+            runs = counters[:, [CounterCol.VERIFY_RUNS, CounterCol.WRITE_RUNS]].tolist()
+            want = self.expected.tolist()
+            short = [t for t in range(NUM_LAUNCH_TAGS) if runs[t][0] < want[t][0] or runs[t][1] < want[t][1]]
             if short:
                 names = [LaunchTag(t).name for t in short]
                 found.append(HealthProblem("watchdog", (
                     f"kvcanary: kernel runs behind for tags {names}: device verify/write runs "
-                    f"{runs[short].tolist()} < launched {self.expected[short].tolist()}; a canary launch was skipped")))
-            p0, p1 = int(phase[0]), int(phase[1])
+                    f"{[runs[t] for t in short]} < launched {[want[t] for t in short]}; a canary launch was skipped")))
+            p0, p1 = phase.tolist()
             if (p0, p1) != (self.expected_forwards, self.expected_forwards):
                 found.append(HealthProblem("phase", (
                     f"kvcanary: phase check failed: pre={p0} post={p1} device brackets, {self.expected_forwards} "
                     f"forwards on the host; a forward (or a replayed graph) ran without the canary ops")))
-        if int(plan_status[:, PlanStatusCol.OVERFLOW].max()) > 0:
+        status = plan_status.tolist()
+        if max(row[PlanStatusCol.OVERFLOW] for row in status) > 0:
             found.append(HealthProblem("overflow", (
                 "kvcanary: a batch claimed more tokens than it has (plan OVERFLOW); those requests were not checked")))
-        errs = int(plan_status[:, PlanStatusCol.INPUT_ERRORS].max())
+        errs = max(row[PlanStatusCol.INPUT_ERRORS] for row in status)
         if errs:
             found.append(HealthProblem("input_errors", f"kvcanary: {errs} request(s) with out-of-range batch values "
                                                        "were skipped by the plan"))

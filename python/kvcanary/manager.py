@@ -251,8 +251,7 @@ class CanaryManager:
             return None
         self.forwards += 1
         self.health.expected_forwards += 1
-        for tag, v, w in self._per_forward:
-            self.health.expect(tag, v, w)
+        self.health.expect_all(self._per_forward)
         self.perturber.after_forward(self._batch, self.forwards)
         if self._sweep_due(self.forwards):
             self.sweep()
@@ -363,13 +362,14 @@ class CanaryManager:
               st.out_cache_loc[:nt], st.sink, checks=self._checks, token_pool=st.token_pool,
               fingerprint=g.fingerprint if stage == Stage.TAIL else None, backend=self.backend)
 
-    def _launches_per_forward(self) -> list[tuple[int, int, int]]:
-        out = []
+    def _launches_per_forward(self) -> torch.Tensor:
+        """[NUM_LAUNCH_TAGS, 2]: (verify, write) launches one forward makes per tag."""
+        out = torch.zeros(NUM_LAUNCH_TAGS, 2, dtype=torch.int64)
         for g in self.state.groups:
             verifies = 2 if g.stripe_plan is not None else 1
             for stage in (Stage.HEAD, Stage.TAIL):
                 for h in range(g.spec.halves):
-                    out.append((int(LaunchTag.of(stage, Half(h), g.spec.group)), verifies, 1))
+                    out[int(LaunchTag.of(stage, Half(h), g.spec.group))] += torch.tensor([verifies, 1])
         return out
 
     # ------------------------------------------------------------------ host parts
@@ -433,18 +433,19 @@ class CanaryManager:
         """(expect_prefix, expect_new, flag mask) from the true history, in O(new tokens)."""
         hs, known = self.hasher, len(hist)
         want_pre, want_new = pre + offset, pre + ext + offset
-        if hs.length(rid) > want_pre:
-            hs.drop(rid)  # history rewound (retract, rollback): rebuild once
         n = hs.length(rid)
+        if n > want_pre:
+            hs.drop(rid)  # history rewound (retract, rollback): rebuild once
+            n = 0
         reach = min(known, want_pre)
-        if reach > n:
-            hs.extend(rid, hist[n:reach], n)
+        h = hs.extend(rid, hist[n:reach], n) if reach > n else hs.value(rid)
         mask, ep, en = _KEEP_ALL, 0, 0
-        if pre > 0 and known >= want_pre:
-            ep = to_i64(hs.value(rid))
+        at_pre = max(n, reach) == want_pre
+        if pre > 0 and at_pre:
+            ep = to_i64(h)
         else:
             mask &= _NO_PREFIX
-        if ext > 0 and known >= want_new and hs.length(rid) == want_pre:
+        if ext > 0 and known >= want_new and at_pre:
             en = to_i64(hs.extend(rid, hist[want_pre:want_new], want_pre))
         else:
             mask &= _NO_NEW
