@@ -35,7 +35,7 @@ def check_backend(backend: str, device: torch.device) -> Backend:
         raise CanaryInputError(f"backend 'cpu' needs CPU tensors, got {device}")
     if backend == "cuda" and device.type != "cuda":
         raise CanaryInputError(f"backend 'cuda' needs CUDA tensors, got {device}")
-    return backend  # type: ignore[return-value]
+    return backend
 
 
 def check_tensor(t: object, name: str, *, dtype: torch.dtype | tuple[torch.dtype, ...] = torch.int64,
@@ -110,9 +110,10 @@ class Sink:
         """A zeroed sink with room for ``capacity`` detailed rows per window."""
         if capacity < 1:
             raise CanaryInputError(f"ring capacity must be >= 1, got {capacity}")
-        z = {"dtype": torch.int64, "device": device}
-        return cls(torch.zeros(capacity, NUM_VIOLATION_COLS, **z), torch.zeros(1, **z),  # type: ignore[arg-type]
-                   torch.zeros(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS, **z), torch.zeros(1, **z))  # type: ignore[arg-type]
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int64, device=device)
+
+        return cls(zeros(capacity, NUM_VIOLATION_COLS), zeros(1), zeros(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS), zeros(1))
 
     def validate(self, device: torch.device) -> None:
         """Raise CanaryInputError unless every tensor has its contract shape on ``device``."""
