@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 from engine_shadow import ShadowChecker, assert_no_leak, sequential
-
 from kvcanary.engine import Engine, EngineConfig, ModelConfig, Request, SamplingParams
 
 
