@@ -16,17 +16,17 @@ STEPS=${*:-tests sanitize bench}
     echo "=== $step $(date -u +%T)"
     case $step in
       tests)
-        timeout 420 python3 -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider --junitxml="$OUT/junit.xml" \
+        timeout ${T_TESTS:-220} python3 -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider --junitxml="$OUT/junit.xml" \
           -o junit_family=xunit2 2>&1 | tail -40 ;;
       sanitize)
-        timeout 240 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 --print-limit 20 \
-          python3 -m tests.gpu.fuzz_bad_inputs --n 24 --large 1 > "$OUT/sanitizer_memcheck.txt" 2>&1
+        timeout ${T_MEMCHECK:-150} compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 --print-limit 20 \
+          python3 -m tests.gpu.fuzz_bad_inputs --n ${FUZZ_N:-16} --large 1 > "$OUT/sanitizer_memcheck.txt" 2>&1
         echo "memcheck rc=$?"; tail -5 "$OUT/sanitizer_memcheck.txt"
-        timeout 200 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 9 --print-limit 20 \
-          python3 -m tests.gpu.fuzz_bad_inputs --n 6 --large 1 > "$OUT/sanitizer_racecheck.txt" 2>&1
+        timeout ${T_RACECHECK:-110} compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 9 --print-limit 20 \
+          python3 -m tests.gpu.fuzz_bad_inputs --n 4 --large 1 > "$OUT/sanitizer_racecheck.txt" 2>&1
         echo "racecheck rc=$?"; tail -5 "$OUT/sanitizer_racecheck.txt" ;;
       bench)
-        timeout 420 python3 -m bench.bench_gpu --out "$OUT" ;;
+        timeout ${T_BENCH:-500} python3 -m bench.bench_gpu --out "$OUT" ${BENCH_ARGS:-} ;;
     esac
   done
   echo "=== done $(date -u +%T)"

@@ -56,7 +56,9 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_kernel(VerifyLaunch L) 
     const int64_t* last = L.plan + (nseg - 1) * kNumPlanCols;
     const int64_t len = last[col(PlanCol::IDX_END)] - last[col(PlanCol::IDX_BEGIN)];
     total = last[col(PlanCol::ENTRY_OFFSET)] + (len > 0 ? len : 0);
-    if (total < 0) total = 0;
+    // A plan with garbage offsets must not loop for long: valid segments hold at most nseg * cols entries.
+    const int64_t most = nseg * P.table.cols;
+    total = total < 0 ? 0 : (total > most ? most : total);
   }
   const bool want_fp = verify_wants_fp(P);
   const int64_t halves = P.halves;

@@ -190,6 +190,7 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     const bool want = it[0].row != nullptr && it[0].e.kind == WriteKind::kWrite;
     s_fp_slot[threadIdx.x] = want ? it[0].e.slot : -1;
     s_fp_pos[threadIdx.x] = want ? it[0].e.position : 0;
+    for (int64_t h = 0; h < MAX_HALVES; ++h) s_fp[threadIdx.x][h] = 0;
     __syncthreads();
     const int64_t n_tile = tile_end - tile_start;
     for (int64_t h = 0; h < a.halves; ++h) {
