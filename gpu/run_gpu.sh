@@ -16,8 +16,8 @@ STEPS=${*:-tests sanitize bench}
     echo "=== $step $(date -u +%T)"
     case $step in
       tests)
-        timeout ${T_TESTS:-220} python3 -m pytest -q -m gpu tests/gpu -x -p no:cacheprovider --junitxml="$OUT/junit.xml" \
-          -o junit_family=xunit2 2>&1 | tail -40 ;;
+        timeout ${T_TESTS:-220} python3 -m pytest -q -m gpu tests/gpu --maxfail=40 --tb=short -p no:cacheprovider --junitxml="$OUT/junit.xml" \
+          -o junit_family=xunit2 2>&1 | tail -150 ;;
       sanitize)
         timeout ${T_MEMCHECK:-150} compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 --print-limit 20 \
           python3 -m tests.gpu.fuzz_bad_inputs --n ${FUZZ_N:-16} --large 1 > "$OUT/sanitizer_memcheck.txt" 2>&1
