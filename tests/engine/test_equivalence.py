@@ -172,6 +172,15 @@ def test_hooks_see_alloc_and_free(model_cfg: ModelConfig) -> None:
     assert len(befores) == engine.stats.forwards
 
 
+def test_flush_cache_frees_everything(model_cfg: ModelConfig) -> None:
+    engine, shadow, _ = run_checked(make_requests(3), model_cfg)
+    assert engine.radix is not None and engine.radix.total_slots() > 0
+    engine.flush_cache()
+    assert engine.allocator.num_free_pages == engine.allocator.num_pages
+    assert engine.cached_chains().num_chains == 0
+    assert torch.equal(torch.cat(shadow.allocated).sort().values, torch.cat(shadow.freed).sort().values)
+
+
 @pytest.mark.parametrize("cfg", [
     {"reserved_slots": 0, "padding_row": None},
     {"reserved_slots": 4, "padding_row": 3, "decode_pad_multiple": 4, "page_size": 2},

@@ -222,7 +222,7 @@ class Engine:
         if not pages:
             return
         if self._lenient and not force:
-            pages = [p for p in pages if not self.allocator._is_free[p]]
+            pages = [p for p in pages if not self.allocator.is_free(p)]
         slots = self.allocator.page_slots(pages)
         if self.swa is not None:
             self.swa.release(slots.tolist())

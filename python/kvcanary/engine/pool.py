@@ -36,6 +36,10 @@ class SlotAllocator:
         """Pages currently on the free list."""
         return len(self._free)
 
+    def is_free(self, page: int) -> bool:
+        """Whether a page is on the free list."""
+        return self._is_free[page]
+
     def alloc(self, num_pages: int) -> list[int] | None:
         """Pop `num_pages` pages, or return None (and take nothing) when too few are free."""
         if num_pages > len(self._free):
