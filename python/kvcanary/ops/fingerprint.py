@@ -67,11 +67,21 @@ def fingerprint_torch(sources: FingerprintSources, half: int, slots: torch.Tenso
     for j, rows in enumerate(sources.rows[half]):
         page, bpt = meta[j][FpSourceCol.PAGE_SIZE], meta[j][FpSourceCol.BYTES_PER_TOKEN]
         rb = PARTIAL_READ_BYTES if mode == FingerprintMode.PARTIAL else meta[j][FpSourceCol.READ_BYTES]
-        # Row stride, base, bytes_per_token and read sizes are FP_ALIGN_BYTES-aligned: rows view as int64 words.
-        words = rows[:, : (rows.shape[1] // 8) * 8].view(torch.int64)
-        wi = torch.arange(rb // 8, device=dev)
-        col = ((sc % page) * (bpt // 8)).unsqueeze(1) + wi
-        terms = H.fp_word_term(words[(sc // page).unsqueeze(1), col], j, wi).sum(1)
+        terms = H.fp_word_term(_slot_words(rows, page, bpt // 8, rb // 8, sc), j,
+                               torch.arange(rb // 8, device=dev)).sum(1)
         selected = torch.remainder(positions + j, layer_stride) == 0
         acc = acc + torch.where(selected, terms, torch.zeros_like(terms))
     return torch.where(valid, H.fp_finalize(acc, positions), torch.zeros_like(slots))
+
+
+def _slot_words(rows: torch.Tensor, page: int, bpt_words: int, read_words: int, slots: torch.Tensor) -> torch.Tensor:
+    """int64 ``[N, read_words]``: the first words of each slot's bytes, gathered as whole rows (no per-word index)."""
+    # Base, row stride and bytes_per_token are FP_ALIGN_BYTES-aligned, so the byte rows view as int64 words.
+    words = rows[:, : (rows.shape[1] // 8) * 8].view(torch.int64)
+    num_rows, rs = words.shape[0], words.stride(0)
+    if rs == page * bpt_words:  # pages are back to back: one row per slot
+        per_slot = torch.as_strided(words, (num_rows * page, bpt_words), (bpt_words, 1))
+        return per_slot.index_select(0, slots)[:, :read_words]
+    span = (num_rows - 1) * rs + words.shape[1]
+    windows = torch.as_strided(words, (span,), (1,)).unfold(0, read_words, 1)  # row k = words k .. k + read_words
+    return windows.index_select(0, (slots // page) * rs + (slots % page) * bpt_words)

@@ -116,26 +116,30 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
     range_ok = (wb >= 0) & (wl >= 0) & (wb <= num_tokens) & (wl <= num_tokens - wb)
     out: list[torch.Tensor] = []
 
-    def rows_for(tag: int, reasons: torch.Tensor | int, g: torch.Tensor) -> torch.Tensor:
-        r = _rows(g.shape[0], dev)
+    def add_rows(tag: int, reasons: torch.Tensor | int, segs: torch.Tensor,
+                 cols: dict[ViolationCol, torch.Tensor | int]) -> None:
+        """Violation rows of plan rows ``segs`` [n, NUM_PLAN_COLS] with the given column values."""
+        if segs.shape[0] == 0:
+            return
+        r = _rows(segs.shape[0], dev)
         r[:, ViolationCol.TAG] = tag
         r[:, ViolationCol.REASONS] = reasons
-        r[:, ViolationCol.BATCH_INDEX] = g[:, PlanCol.BATCH_INDEX]
-        r[:, ViolationCol.REQ_ROW] = g[:, PlanCol.ROW]
+        r[:, ViolationCol.BATCH_INDEX] = segs[:, PlanCol.BATCH_INDEX]
+        r[:, ViolationCol.REQ_ROW] = segs[:, PlanCol.ROW]
+        for c, v in cols.items():
+            r[:, c] = v
         out.append(r)
-        return r
 
     bad = seg[~range_ok]
     for tag in tags:  # write_emit_range_error
-        r = rows_for(tag, int(FailReason.INPUT_ERROR), bad)
-        r[:, ViolationCol.SLOT] = NO_SLOT
-        r[:, ViolationCol.POSITION] = bad[:, PlanCol.PREFIX_LEN]
+        add_rows(tag, int(FailReason.INPUT_ERROR), bad, {ViolationCol.SLOT: NO_SLOT,
+                                                          ViolationCol.POSITION: bad[:, PlanCol.PREFIX_LEN]})
         sink.counters[tag, CounterCol.INPUT_ERRORS] += bad.shape[0]
 
     good = seg[range_ok]
     wb, wl = good[:, PlanCol.WRITE_BEGIN], good[:, PlanCol.WRITE_LEN]
     flags = good[:, PlanCol.FLAGS]
-    # Seeds [G, H] (write_seed).
+    # Seeds [G] per half (write_seed).
     seed_head = (flags & int(PlanFlag.SEED_IS_HEAD)) != 0
     s_out, s_slot = resolve_slots(group, good[:, PlanCol.SEED_SLOT])
     s_res = s_out == _OK
@@ -144,11 +148,11 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
     seed_ok, seed_h, seed_prev = [], [], []
     for h in range(group.halves):
         has_link, link = record_link(seed_rec[:, h])
-        seed_ok.append(seed_head | (~seed_head & s_res & has_link))
+        seed_ok.append(seed_head | (s_res & has_link))
         seed_h.append(torch.where(seed_head, torch.full_like(link, H.chain_h0()), link))
         seed_prev.append(torch.where(seed_head, torch.full_like(link, -1), seed_rec[:, h, RecordField.POSITION]))
 
-    # Entries (write_entry_load): E = sum of WRITE_LEN over the good segments.
+    # Entries (write_entry_load): E = sum of WRITE_LEN over the good segments; sid = segment of each entry.
     seg_start = _excl_cumsum(wl)
     sid = torch.repeat_interleave(torch.arange(good.shape[0], device=dev), wl)
     e_count = sid.shape[0]
@@ -157,37 +161,39 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
     j = ar - e0
     k = wb[sid] + j
     t, p, lc = ids[k], pos[k], loc[k]
-    gs = good[sid]
-    pad = lc < 0
     outcome, slot = resolve_slots(group, lc)
-    slot_err = ~pad & (outcome == _INPUT_ERROR)
-    evicted = ~pad & (outcome == _EVICTED)
+    pad = lc < 0
     placed = ~pad & ((outcome == _OK) | (outcome == _RESERVED))
-    bad_val = placed & ~(H.chain_value_ok(t) & H.chain_value_ok(p))
-    active = placed & ~bad_val
-    expected_pos = gs[:, PlanCol.PREFIX_LEN] + j
+    active = placed & H.chain_value_ok(t) & H.chain_value_ok(p)
+    skip_err = ~pad & ~active & (outcome != _EVICTED)  # slot input error or bad token/position
+    evicted = ~pad & (outcome == _EVICTED)
+    expected_pos = good[:, PlanCol.PREFIX_LEN][sid] + j
 
     # Exclusive affine scan per segment via prefix sums: with C = number of active entries before i (global) and
     # S = sum over earlier active m of g_m * B^-(C_m + 1), h_before(i) = B^C_i * (B^-C_e0 * seed + S_i - S_e0).
-    act64 = active.to(torch.int64)
-    cx = _excl_cumsum(act64)
+    cx = _excl_cumsum(active.to(torch.int64))
     pw = powers(CHAIN_BASE, e_count + 1, dev)
     ipw = powers(_CHAIN_BASE_INV, e_count + 2, dev)
-    g = H.chain_g(torch.where(active, t, torch.zeros_like(t)), torch.where(active, p, torch.zeros_like(p)))
-    sx = _excl_cumsum(torch.where(active, g * ipw[cx[:-1] + 1], torch.zeros_like(g)))
-    c_i, s_i = cx[:-1], sx[:-1]
+    zero = torch.zeros_like(t)
+    g = H.chain_g(torch.where(active, t, zero), torch.where(active, p, zero))
+    sx = _excl_cumsum(torch.where(active, g * ipw[cx[:-1] + 1], zero))
+    scan_i = pw[cx[:-1]]  # B^C_i
+    scan_b = sx[:-1] - sx[e0]  # S_i - S_e0
+    scan_a = ipw[cx[e0]]  # B^-C_e0
     seg_end = seg_start[1:]
+    st = seg_start[:-1]
     # Index of the last active entry at or before i (cummax), then the exclusive one.
     last_incl = torch.cummax(torch.where(active, ar, torch.full_like(ar, -1)), 0).values if e_count else ar
     last_excl = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=dev), last_incl[:-1]])[:e_count]
+    prev_written = p[torch.clamp(last_excl, min=0)]
     has_prev = last_excl >= e0
     seg_last = last_incl[seg_end - 1] if e_count else seg_end
-    seg_wrote = seg_last >= seg_start[:-1]
+    seg_wrote = seg_last >= st
 
     pool_tok = torch.full_like(t, SKIP_TOKEN)
     if pool is not None and checks & WriteCheck.INPUTS:
         nr, nc = pool.tokens.shape
-        prow = gs[:, PlanCol.ROW]
+        prow = good[:, PlanCol.ROW][sid]
         q = p + pool.offset
         in_pool = (prow >= 0) & (prow < nr) & (q >= 0) & (q < nc)
         prc = torch.clamp(prow, 0, max(nr - 1, 0))
@@ -196,60 +202,53 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
             in_pool &= q < pool.lens[prc]
             pool_tok = torch.where(in_pool, pool.tokens[prc, qc], pool_tok)
 
+    def where_idx(mask: torch.Tensor) -> torch.Tensor:
+        return ar if bool(mask.all()) else torch.nonzero(mask).squeeze(1)
+
     for h, tag in enumerate(tags):
         live = seed_ok[h][sid]
-        # Seed error rows.
         bad_seed = good[~seed_ok[h]]
-        r = rows_for(tag, int(FailReason.INPUT_ERROR), bad_seed)
-        r[:, ViolationCol.SLOT] = bad_seed[:, PlanCol.SEED_SLOT]
-        r[:, ViolationCol.POSITION] = bad_seed[:, PlanCol.PREFIX_LEN] - 1
+        add_rows(tag, int(FailReason.INPUT_ERROR), bad_seed, {
+            ViolationCol.SLOT: bad_seed[:, PlanCol.SEED_SLOT],
+            ViolationCol.POSITION: bad_seed[:, PlanCol.PREFIX_LEN] - 1})
         sink.counters[tag, CounterCol.INPUT_ERRORS] += bad_seed.shape[0]
-        # Entry input errors.
-        err = live & (slot_err | bad_val)
-        r = rows_for(tag, int(FailReason.INPUT_ERROR), gs[err])
-        r[:, ViolationCol.SLOT] = slot[err]
-        r[:, ViolationCol.POSITION] = expected_pos[err]
-        r[:, ViolationCol.STORED_POSITION] = p[err]
-        r[:, ViolationCol.STORED_TOKEN] = t[err]
-        sink.counters[tag, CounterCol.INPUT_ERRORS] += err.sum()
+        ei = torch.nonzero(live & skip_err).squeeze(1)
+        add_rows(tag, int(FailReason.INPUT_ERROR), good[sid[ei]], {
+            ViolationCol.SLOT: slot[ei], ViolationCol.POSITION: expected_pos[ei], ViolationCol.STORED_POSITION: p[ei],
+            ViolationCol.STORED_TOKEN: t[ei]})
+        sink.counters[tag, CounterCol.INPUT_ERRORS] += ei.shape[0]
         sink.counters[tag, CounterCol.SKIPPED] += (live & evicted).sum()
         # Written entries.
-        w = live & active
-        sh = seed_h[h][sid]
-        h_before = pw[c_i] * (ipw[cx[e0]] * sh + s_i - sx[e0])
-        prev_pos = torch.where(has_prev, p[torch.clamp(last_excl, min=0)], seed_prev[h][sid])
-        reasons = torch.zeros_like(t)
+        wi = where_idx(live & active)
+        ws, wp, wt, wsid = slot[wi], p[wi], t[wi], sid[wi]
+        h_before = scan_i[wi] * (scan_a[wi] * seed_h[h][wsid] + scan_b[wi])
+        prev_pos = torch.where(has_prev[wi], prev_written[wi], seed_prev[h][wsid])
+        reasons = torch.zeros_like(wp)
         if checks & WriteCheck.CHAIN_POSITION:
-            reasons |= _bit(p != prev_pos + 1, FailReason.WRITE_POSITION)
+            reasons |= _bit(wp != prev_pos + 1, FailReason.WRITE_POSITION)
         if checks & WriteCheck.INPUTS:
-            reasons |= _bit(p != expected_pos, FailReason.WRITE_POSITION)
-            reasons |= _bit((pool_tok != SKIP_TOKEN) & (t != pool_tok), FailReason.WRITE_TOKEN)
-        ws, wp = slot[w], p[w]
+            wtok = pool_tok[wi]
+            reasons |= _bit(wp != expected_pos[wi], FailReason.WRITE_POSITION)
+            reasons |= _bit((wtok != SKIP_TOKEN) & (wt != wtok), FailReason.WRITE_TOKEN)
         fpv = torch.zeros_like(ws) if fp is None else fingerprint_torch(fp.sources, h, ws, wp, fp.mode,
                                                                          fp.layer_stride)
-        group.records[ws, h] = torch.stack([t[w], wp, h_before[w], fpv], 1)
-        sink.counters[tag, CounterCol.ENTRIES_WRITTEN] += w.sum()
-        hit = reasons[w] != 0
-        r = rows_for(tag, reasons[w][hit], gs[w][hit])
-        r[:, ViolationCol.SLOT] = ws[hit]
-        r[:, ViolationCol.POSITION] = expected_pos[w][hit]
-        r[:, ViolationCol.STORED_POSITION] = wp[hit]
-        r[:, ViolationCol.STORED_TOKEN] = t[w][hit]
-        r[:, ViolationCol.EXPECTED_TOKEN] = pool_tok[w][hit]
-        r[:, ViolationCol.STORED_HASH] = h_before[w][hit]
-        r[:, ViolationCol.STORED_FP] = fpv[hit]
+        group.records[ws, h] = torch.stack([wt, wp, h_before, fpv], 1)
+        sink.counters[tag, CounterCol.ENTRIES_WRITTEN] += wi.shape[0]
+        hit = torch.nonzero(reasons).squeeze(1)
+        add_rows(tag, reasons[hit], good[wsid[hit]], {
+            ViolationCol.SLOT: ws[hit], ViolationCol.POSITION: expected_pos[wi[hit]],
+            ViolationCol.STORED_POSITION: wp[hit], ViolationCol.STORED_TOKEN: wt[hit],
+            ViolationCol.EXPECTED_TOKEN: pool_tok[wi[hit]], ViolationCol.STORED_HASH: h_before[hit],
+            ViolationCol.STORED_FP: fpv[hit]})
         # EXPECT_NEW boundary (write_expect_new).
-        st = seg_start[:-1]
         h_end = pw[cx[seg_end]] * (ipw[cx[st]] * seed_h[h] + sx[seg_end] - sx[st])
         want = good[:, PlanCol.EXPECT_NEW]
-        miss = seed_ok[h] & seg_wrote & ((flags & int(PlanFlag.EXPECT_NEW)) != 0) & (h_end != want)
-        li = torch.clamp(seg_last, min=0)[miss]
-        r = rows_for(tag, int(FailReason.WRITE_TOKEN), good[miss])
-        r[:, ViolationCol.SLOT] = slot[li]
-        r[:, ViolationCol.POSITION] = expected_pos[li]
-        r[:, ViolationCol.STORED_POSITION] = p[li]
-        r[:, ViolationCol.STORED_TOKEN] = t[li]
-        r[:, ViolationCol.STORED_HASH] = h_end[miss]
-        r[:, ViolationCol.EXPECTED_HASH] = want[miss]
+        miss = torch.nonzero(seed_ok[h] & seg_wrote & ((flags & int(PlanFlag.EXPECT_NEW)) != 0)
+                             & (h_end != want)).squeeze(1)
+        li = seg_last[miss]
+        add_rows(tag, int(FailReason.WRITE_TOKEN), good[miss], {
+            ViolationCol.SLOT: slot[li], ViolationCol.POSITION: expected_pos[li], ViolationCol.STORED_POSITION: p[li],
+            ViolationCol.STORED_TOKEN: t[li], ViolationCol.STORED_HASH: h_end[miss],
+            ViolationCol.EXPECTED_HASH: want[miss]})
     if out:
         _append(sink, torch.cat(out))
