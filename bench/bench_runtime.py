@@ -92,15 +92,20 @@ def bench_case(bs: int, prefix: int, backend: str, device: torch.device, iters: 
     cfg = CanaryConfig(backend=backend, stats_interval=0, sweep_interval=0, req_capacity=max(bs, 1),
                        token_capacity=max(bs * prefix, bs), ring_capacity=1024)
     m: CanaryManager = install(w.pool(), cfg)
+    cuda = device.type == "cuda"
+    mem = [0, 0]
 
     def bracket(b: BatchView, timed: dict[str, list[float]] | None, counter: _OpCounter | None) -> None:
         t0 = time.perf_counter()
         m.begin_forward(b)
         t1 = time.perf_counter()
         if counter is not None:
+            _sync(device)
+            mem[0] = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) if cuda else 0
             with counter:
                 m.pre_forward()
                 m.post_forward()
+            mem[1] = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) if cuda else 0
         else:
             m.pre_forward()
             t2 = time.perf_counter()
@@ -117,9 +122,7 @@ def bench_case(bs: int, prefix: int, backend: str, device: torch.device, iters: 
     bracket(w.batch(prefix), None, None)  # prefill
     bracket(w.batch(1), None, None)  # warm-up
     counter = _OpCounter()
-    mem0 = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) if device.type == "cuda" else 0
     bracket(w.batch(1), None, counter)
-    mem1 = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) if device.type == "cuda" else 0
     timed: dict[str, list[float]] = {k: [] for k in ("begin", "pre", "post", "end", "total")}
     for _ in range(iters):
         b = w.batch(1)
@@ -131,7 +134,7 @@ def bench_case(bs: int, prefix: int, backend: str, device: torch.device, iters: 
     return {"bs": bs, "prefix": prefix, "backend": backend, "device": str(device),
             **{f"{k}_us": round(statistics.median(v) * 1e6, 1) for k, v in timed.items()},
             "device_allocating_ops_per_forward": counter.allocating, "host_syncs_per_forward": counter.syncs,
-            "cuda_allocations_per_forward": mem1 - mem0 if device.type == "cuda" else None,
+            "cuda_allocations_in_device_parts": mem[1] - mem[0] if cuda else None,
             "violations": violations, "last_window_total": None if rep is None else rep.total}
 
 

@@ -82,6 +82,14 @@ class PoolDescription:
     padding_row: int = -1  # req_to_token row of padded batch entries; -1 = none
     token_offset: int = 0  # draft (EAGLE-style) pools: slot at position p holds KV of the token at p + 1
 
+    @property
+    def resolved_device(self) -> torch.device:
+        """The device with its index (``cuda`` resolves to the current CUDA device)."""
+        d = torch.device(self.device)
+        if d.type == "cuda" and d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+        return d
+
     def validate(self) -> None:
         """Raise CanaryInputError naming the first inconsistent field."""
         for knob in ("num_slots", "req_rows", "max_context", "page_size"):
@@ -98,7 +106,7 @@ class PoolDescription:
         if len(set(kinds)) != len(kinds):
             raise CanaryInputError(f"PoolDescription.groups: at most one group per kind, got {[k.name for k in kinds]}")
         for g in self.groups:
-            g.validate(torch.device(self.device), self.num_slots)
+            g.validate(self.resolved_device, self.num_slots)
 
 
 @dataclass(frozen=True)
@@ -135,7 +143,7 @@ class BatchView:
 
     def validate(self, pool: PoolDescription, req_capacity: int, token_capacity: int) -> None:
         """Raise CanaryInputError for a batch that does not fit the pool or the installed capacities."""
-        device = torch.device(pool.device)
+        device = pool.resolved_device
         bs = self.batch_size
         if bs > req_capacity:
             raise CanaryInputError(f"batch has {bs} requests, the canary was installed for req_capacity={req_capacity}")

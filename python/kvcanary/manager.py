@@ -117,7 +117,7 @@ class CanaryManager:
         if not self.enabled:
             return
         pool.validate()
-        self.device = torch.device(pool.device)
+        self.device = pool.resolved_device
         self.backend = check_backend(config.resolved_backend(self.device.type), self.device)
         self.state = CanaryState(pool, config)
         self.prefix_cache = prefix_cache

@@ -67,7 +67,7 @@ class CanaryState:
 
     def __init__(self, pool: PoolDescription, config: CanaryConfig) -> None:
         pool.validate()
-        self.device = torch.device(pool.device)
+        self.device = pool.resolved_device
         self.pool = pool
         self.config = config
         d = self.device
