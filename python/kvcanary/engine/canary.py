@@ -1,0 +1,211 @@
+"""kvcanary hosted in the reference engine: the adapter (pool, batch, prefix cache) and the per-forward bracket."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from kvcanary_schema import NO_SLOT, TOKEN_LIMIT, Group, RecordField
+
+from kvcanary.adapter import BatchView, GroupSpec, PoolDescription, PrefixCacheExport
+from kvcanary.config import CanaryConfig
+from kvcanary.manager import CanaryManager, install
+from kvcanary.ops.types import SourceSpec
+from kvcanary.report import ReportSink, Violation, WindowReport
+
+from .batch import ForwardBatch, PoolKind
+from .engine import Engine
+from .pool import PoolView
+
+
+def _sources(tensors: Sequence[torch.Tensor], layers: Sequence[int]) -> list[SourceSpec]:
+    return [SourceSpec(tensors[layer]) for layer in layers]
+
+
+def pool_description(view: PoolView, device: torch.device) -> PoolDescription:
+    """The kvcanary pool description of one engine pool: a FULL group, plus an SWA group when it has sliding layers.
+
+    The SWA group's slots are the SWA pool's rows, reached through the engine's full->SWA map (-1 = evicted).
+    """
+    groups = [GroupSpec(Group.FULL, view.num_slots, 2, view.reserved_slots,
+                        sources=[_sources(view.k, view.full_layers), _sources(view.v, view.full_layers)])]
+    if view.swa_layers:
+        groups.append(GroupSpec(Group.SWA, view.num_swa_slots, 2, view.reserved_slots, swa_map=view.full_to_swa,
+                                window=view.swa_window,
+                                sources=[_sources(view.k, view.swa_layers), _sources(view.v, view.swa_layers)]))
+    rows, cols = view.req_to_token.shape
+    return PoolDescription(num_slots=view.num_slots, req_rows=int(rows), max_context=int(cols), groups=groups,
+                           device=device, page_size=view.page_size,
+                           padding_row=-1 if view.padding_row is None else view.padding_row,
+                           token_offset=view.token_offset)
+
+
+# Token truth for target-pool positions past the committed history: no true token exists there (a correct
+# engine's target prefix always ends before the last committed token), and no real token equals this one.
+NO_TRUE_TOKEN = TOKEN_LIMIT - 1
+
+
+def _truth(batch: ForwardBatch) -> tuple[tuple[int, ...], ...]:
+    """Each row's true history; in the target pool a prefix running past it is padded with NO_TRUE_TOKEN, so the
+    boundary check reports KV read beyond the request's logical length (a trimmed tail still read)."""
+    if batch.token_offset != 0:
+        return batch.histories
+    out = []
+    for hist, pre in zip(batch.histories, batch.prefix_lens_host, strict=False):
+        out.append(hist + (NO_TRUE_TOKEN,) * (pre - len(hist)) if pre > len(hist) else hist)
+    return tuple(out)
+
+
+def batch_view(batch: ForwardBatch) -> BatchView:
+    """The kvcanary view of one engine forward (padding rows carry no request id and no token truth)."""
+    pad = batch.num_padding
+    return BatchView(
+        req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
+        req_to_token=batch.req_to_token, input_ids=batch.input_ids, positions=batch.positions,
+        out_cache_loc=batch.out_cache_loc, request_ids=(*batch.req_ids, *([None] * pad)),
+        req_pool_indices_host=batch.req_pool_indices_host, prefix_lens_host=batch.prefix_lens_host,
+        extend_lens_host=batch.extend_lens_host, true_tokens=(*_truth(batch), *([()] * pad)),
+        token_offset=batch.token_offset)
+
+
+def prefix_cache_export(engine: Engine, kind: PoolKind = PoolKind.TARGET) -> PrefixCacheExport | None:
+    """The engine's radix cache as the sweep's chain export (None without a prefix cache).
+
+    In the draft pool (token offset 1) a node's last record holds the first token of whichever child wrote it
+    first, so links across node boundaries are not content-determined there: the draft export gives non-root
+    chains a predecessor that does not resolve (verify then skips that one link, uncounted, per the contract).
+    """
+    if engine.radix is None:
+        return None
+    c = engine.cached_chains()
+    prev = c.prev_slots
+    if kind == PoolKind.DRAFT:
+        prev = torch.where(prev == NO_SLOT, prev, torch.full_like(prev, engine.config.num_slots))
+    return PrefixCacheExport(c.slots, c.chain_starts, c.chain_lens, c.first_positions, prev, c.unlocked)
+
+
+@dataclass(frozen=True)
+class Detection:
+    """One canary report with violations: its pool, the engine forward (both pools counted) and the pool's step."""
+
+    pool: PoolKind
+    forward: int
+    step: int
+    report: WindowReport
+
+
+@dataclass
+class ForwardLog:
+    """What the hooks saw: per engine forward, the pool and the request ids (for latency per request)."""
+
+    pools: list[PoolKind] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # the pool manager's step of each forward
+    requests: list[tuple[str, ...]] = field(default_factory=list)
+
+
+class EngineCanary:
+    """EngineHooks that run kvcanary around every forward of a reference engine (target and draft pool).
+
+    One manager per pool: the target pool (FULL + SWA groups) and the EAGLE-style draft pool (FULL group,
+    token offset 1), which shares the target's slot indices and prefix cache. Freed slots have their records
+    invalidated, so any later read of a freed slot fails its checks (use-after-free, wrong rollback).
+    """
+
+    def __init__(self, engine: Engine, config: CanaryConfig, sinks: Sequence[ReportSink] = (),
+                 on_forward: Callable[[EngineCanary, ForwardBatch, PoolKind], None] | None = None) -> None:
+        """Install one manager per pool and become ``engine``'s hooks; ``on_forward`` runs after every bracket."""
+        self.engine = engine
+        self.config = config
+        self.managers: dict[PoolKind, CanaryManager] = {}
+        kinds = [PoolKind.TARGET] + ([PoolKind.DRAFT] if engine.models.draft_pool is not None else [])
+        for kind in kinds:
+            desc = pool_description(engine.pool_view(kind), engine.device)
+            # the draft pool sees the same prefix cache; only the target's records get perturbed
+            self.managers[kind] = install(desc, config if kind == PoolKind.TARGET else _unperturbed(config),
+                                          prefix_cache=partial(prefix_cache_export, engine, kind), sinks=sinks)
+        self.detections: list[Detection] = []
+        self.log = ForwardLog()
+        self.forwards = 0
+        self._on_forward = on_forward
+        engine.hooks = self
+
+    @classmethod
+    def attach(cls, engine: Engine, config: CanaryConfig | None = None, **kwargs: object) -> EngineCanary:
+        """Install kvcanary on ``engine`` (replacing its hooks); ``config`` defaults to CanaryConfig.from_env()."""
+        return cls(engine, config if config is not None else CanaryConfig.from_env(), **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def target(self) -> CanaryManager:
+        """The target pool's manager."""
+        return self.managers[PoolKind.TARGET]
+
+    # ------------------------------------------------------------------ EngineHooks
+
+    def before_forward(self, batch: ForwardBatch, pool_kind: PoolKind) -> None:
+        """begin_forward (host: token truth, perturbation) and pre_forward (plan, HEAD verify + write)."""
+        self.forwards += 1
+        self.log.pools.append(pool_kind)
+        self.log.requests.append(batch.req_ids)
+        m = self.managers[pool_kind]
+        self.log.steps.append(m.forwards + 1)
+        m.begin_forward(batch_view(batch))
+        m.pre_forward()
+
+    def after_forward(self, batch: ForwardBatch, pool_kind: PoolKind) -> None:
+        """post_forward (TAIL verify + write with fingerprints) and end_forward (sweep, report)."""
+        m = self.managers[pool_kind]
+        m.post_forward()
+        self._keep(pool_kind, m.end_forward())
+        if self._on_forward is not None:
+            self._on_forward(self, batch, pool_kind)
+
+    def on_alloc(self, slots: torch.Tensor) -> None:
+        """Nothing to do: new slots get records when their KV is written."""
+
+    def on_free(self, slots: torch.Tensor) -> None:
+        """Invalidate the records of freed slots in every pool (FULL groups; SWA slots are freed via the map)."""
+        for m in self.managers.values():
+            if not m.enabled:
+                continue
+            for g in m.state.groups:
+                if g.spec.group != Group.FULL:
+                    continue
+                idx = slots[slots >= g.spec.reserved_slots]
+                for view in (g.head, g.tail):
+                    view.records.index_fill_(0, idx, 0)
+                    # position -1 never matches a planned position, so a read of the freed slot is reported
+                    view.records[idx, :, RecordField.POSITION] = -1
+
+    # ------------------------------------------------------------------ results
+
+    def _keep(self, kind: PoolKind, report: WindowReport | None) -> None:
+        if report is not None and report.total:
+            self.detections.append(Detection(kind, self.forwards, self.managers[kind].forwards, report))
+
+    def flush(self) -> None:
+        """Collect every window still in flight (blocking)."""
+        for kind, m in self.managers.items():
+            self._keep(kind, m.flush())
+
+    def sweep(self) -> None:
+        """Sweep every pool's prefix cache now (eager) and collect the result."""
+        for kind, m in self.managers.items():
+            if m.enabled and m.sweep():
+                self._keep(kind, m.flush())
+
+    def violations(self) -> list[Violation]:
+        """Every kept violation row so far."""
+        return [v for d in self.detections for v in d.report.violations]
+
+    @property
+    def total(self) -> int:
+        """Exact number of violations so far (all pools)."""
+        return sum(d.report.total for d in self.detections)
+
+
+def _unperturbed(config: CanaryConfig) -> CanaryConfig:
+    if not config.perturb.enabled:
+        return config
+    return config.replace(perturb=type(config.perturb)())
