@@ -98,6 +98,11 @@ def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.int64, device=x.device), torch.cumsum(x, 0)])
 
 
+def _at(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """x[i] for a 1-D x (index_select: several times faster than advanced indexing on CPU)."""
+    return x.index_select(0, i)
+
+
 def _bit(mask: torch.Tensor, reason: FailReason) -> torch.Tensor:
     return mask.to(torch.int64) * int(reason)
 
@@ -157,17 +162,17 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
     sid = torch.repeat_interleave(torch.arange(good.shape[0], device=dev), wl)
     e_count = sid.shape[0]
     ar = torch.arange(e_count, device=dev)
-    e0 = seg_start[sid]
+    e0 = _at(seg_start, sid)
     j = ar - e0
-    k = wb[sid] + j
-    t, p, lc = ids[k], pos[k], loc[k]
+    k = _at(wb, sid) + j
+    t, p, lc = _at(ids, k), _at(pos, k), _at(loc, k)
     outcome, slot = resolve_slots(group, lc)
     pad = lc < 0
     placed = ~pad & ((outcome == _OK) | (outcome == _RESERVED))
     active = placed & H.chain_value_ok(t) & H.chain_value_ok(p)
     skip_err = ~pad & ~active & (outcome != _EVICTED)  # slot input error or bad token/position
     evicted = ~pad & (outcome == _EVICTED)
-    expected_pos = good[:, PlanCol.PREFIX_LEN][sid] + j
+    expected_pos = _at(good[:, PlanCol.PREFIX_LEN].contiguous(), sid) + j
 
     # Exclusive affine scan per segment via prefix sums: with C = number of active entries before i (global) and
     # S = sum over earlier active m of g_m * B^-(C_m + 1), h_before(i) = B^C_i * (B^-C_e0 * seed + S_i - S_e0).
@@ -176,16 +181,17 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
     ipw = powers(_CHAIN_BASE_INV, e_count + 2, dev)
     zero = torch.zeros_like(t)
     g = H.chain_g(torch.where(active, t, zero), torch.where(active, p, zero))
-    sx = _excl_cumsum(torch.where(active, g * ipw[cx[:-1] + 1], zero))
-    scan_i = pw[cx[:-1]]  # B^C_i
-    scan_b = sx[:-1] - sx[e0]  # S_i - S_e0
-    scan_a = ipw[cx[e0]]  # B^-C_e0
+    c_i = cx[:-1]
+    sx = _excl_cumsum(torch.where(active, g * _at(ipw, c_i + 1), zero))
+    scan_i = _at(pw, c_i)  # B^C_i
+    scan_b = sx[:-1] - _at(sx, e0)  # S_i - S_e0
+    scan_a = _at(ipw, _at(cx, e0))  # B^-C_e0
     seg_end = seg_start[1:]
     st = seg_start[:-1]
     # Index of the last active entry at or before i (cummax), then the exclusive one.
     last_incl = torch.cummax(torch.where(active, ar, torch.full_like(ar, -1)), 0).values if e_count else ar
     last_excl = torch.cat([torch.full((1,), -1, dtype=torch.int64, device=dev), last_incl[:-1]])[:e_count]
-    prev_written = p[torch.clamp(last_excl, min=0)]
+    prev_written = _at(p, torch.clamp(last_excl, min=0))
     has_prev = last_excl >= e0
     seg_last = last_incl[seg_end - 1] if e_count else seg_end
     seg_wrote = seg_last >= st
@@ -193,7 +199,7 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
     pool_tok = torch.full_like(t, SKIP_TOKEN)
     if pool is not None and checks & WriteCheck.INPUTS:
         nr, nc = pool.tokens.shape
-        prow = good[:, PlanCol.ROW][sid]
+        prow = _at(good[:, PlanCol.ROW].contiguous(), sid)
         q = p + pool.offset
         in_pool = (prow >= 0) & (prow < nr) & (q >= 0) & (q < nc)
         prc = torch.clamp(prow, 0, max(nr - 1, 0))
@@ -202,10 +208,8 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
             in_pool &= q < pool.lens[prc]
             pool_tok = torch.where(in_pool, pool.tokens[prc, qc], pool_tok)
 
-    def where_idx(mask: torch.Tensor) -> torch.Tensor:
-        return ar if bool(mask.all()) else torch.nonzero(mask).squeeze(1)
-
     for h, tag in enumerate(tags):
+        seed_all_ok = bool(seed_ok[h].all())
         live = seed_ok[h][sid]
         bad_seed = good[~seed_ok[h]]
         add_rows(tag, int(FailReason.INPUT_ERROR), bad_seed, {
@@ -218,21 +222,28 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
             ViolationCol.STORED_TOKEN: t[ei]})
         sink.counters[tag, CounterCol.INPUT_ERRORS] += ei.shape[0]
         sink.counters[tag, CounterCol.SKIPPED] += (live & evicted).sum()
-        # Written entries.
-        wi = where_idx(live & active)
-        ws, wp, wt, wsid = slot[wi], p[wi], t[wi], sid[wi]
-        h_before = scan_i[wi] * (scan_a[wi] * seed_h[h][wsid] + scan_b[wi])
-        prev_pos = torch.where(has_prev[wi], prev_written[wi], seed_prev[h][wsid])
+        # Written entries: wi indexes them (all entries when every entry is written: no gathers).
+        w = live & active
+        every = seed_all_ok and bool(w.all())
+        wi = ar if every else torch.nonzero(w).squeeze(1)
+
+        def sel(x: torch.Tensor, wi: torch.Tensor = wi, every: bool = every) -> torch.Tensor:
+            return x if every else _at(x, wi)
+
+        ws, wp, wt, wsid = sel(slot), sel(p), sel(t), sel(sid)
+        h_before = sel(scan_i) * (sel(scan_a) * _at(seed_h[h], wsid) + sel(scan_b))
+        prev_pos = torch.where(sel(has_prev), sel(prev_written), _at(seed_prev[h], wsid))
         reasons = torch.zeros_like(wp)
         if checks & WriteCheck.CHAIN_POSITION:
             reasons |= _bit(wp != prev_pos + 1, FailReason.WRITE_POSITION)
         if checks & WriteCheck.INPUTS:
-            wtok = pool_tok[wi]
-            reasons |= _bit(wp != expected_pos[wi], FailReason.WRITE_POSITION)
+            wtok = sel(pool_tok)
+            reasons |= _bit(wp != sel(expected_pos), FailReason.WRITE_POSITION)
             reasons |= _bit((wtok != SKIP_TOKEN) & (wt != wtok), FailReason.WRITE_TOKEN)
         fpv = torch.zeros_like(ws) if fp is None else fingerprint_torch(fp.sources, h, ws, wp, fp.mode,
                                                                          fp.layer_stride)
-        group.records[ws, h] = torch.stack([wt, wp, h_before, fpv], 1)
+        flat = group.records.view(-1, group.records.shape[2])
+        flat.index_copy_(0, ws * group.halves + h, torch.stack([wt, wp, h_before, fpv], 1))
         sink.counters[tag, CounterCol.ENTRIES_WRITTEN] += wi.shape[0]
         hit = torch.nonzero(reasons).squeeze(1)
         add_rows(tag, reasons[hit], good[wsid[hit]], {
