@@ -1,0 +1,1 @@
+"""Integrations of kvcanary into real inference engines (each imports its engine lazily)."""

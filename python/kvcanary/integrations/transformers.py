@@ -1,0 +1,753 @@
+"""kvcanary inside Hugging Face transformers 5.23.0 continuous batching (sdpa paged cache), via its choke points."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, overload
+
+import torch
+from kvcanary_schema import NO_SLOT, Group
+
+from kvcanary.adapter import BatchView, GroupSpec, PoolDescription, PrefixCacheExport, copy_transfer
+from kvcanary.config import CanaryConfig, CanaryMode
+from kvcanary.errors import CanaryInputError, KVCanaryError
+from kvcanary.manager import CanaryManager
+from kvcanary.manager import install as install_manager
+from kvcanary.ops.types import SourceSpec
+from kvcanary.report import ReportSink, Violation, WindowReport
+
+logger = logging.getLogger("kvcanary")
+
+SUPPORTED_VERSION = "5.23.0"
+_FULL = "full_attention"
+_SUPPORTED_ATTN = ("sdpa", "paged|eager")
+# (module under transformers.generation.continuous_batching, class, methods): checked at install time
+_REQUIRED = (
+    ("continuous_api", "ContinuousBatchingManager", ("_create_batch_processor", "get_result", "stop", "is_running")),
+    ("continuous_api", "ContinuousBatchProcessor", ("_generation_step",)),
+    ("input_outputs", "ContinuousBatchingIOs", ("prepare_batch_tensors",)),
+    ("cache", "PagedAttentionCache", ("search_prefix_match", "evict_cached_blocks", "reset")),
+    ("cache_allocators.full_attention", "FullAttentionCacheAllocator",
+     ("update", "allocate_cache_to_request", "free_blocks", "mark_complete_blocks", "copy_blocks", "get_read_indices")),
+)
+
+
+class TransformersIntegrationError(KVCanaryError, RuntimeError):
+    """transformers is missing, of another version, or configured in a way kvcanary cannot guard."""
+
+
+def _check_transformers() -> Any:
+    """Import transformers and check the pinned version and every wrapped symbol; returns the continuous_api module."""
+    try:
+        import importlib
+
+        import transformers
+    except ImportError as e:  # pragma: no cover - the tests skip without transformers
+        raise TransformersIntegrationError("kvcanary.integrations.transformers needs transformers==5.23.0 "
+                                           "(pip install 'kvcanary[transformers]')") from e
+    if transformers.__version__ != SUPPORTED_VERSION:
+        raise TransformersIntegrationError(
+            f"kvcanary supports transformers=={SUPPORTED_VERSION} exactly (its paged-cache internals change between "
+            f"releases); found {transformers.__version__}")
+    base = "transformers.generation.continuous_batching."
+    for mod, cls, methods in _REQUIRED:
+        klass = getattr(importlib.import_module(base + mod), cls, None)
+        missing = [m for m in methods if not callable(getattr(klass, m, None))]
+        if klass is None or missing:
+            raise TransformersIntegrationError(f"transformers {transformers.__version__}: {cls} lacks {missing or cls}")
+    return importlib.import_module(base + "continuous_api")
+
+
+class _Patches:
+    """Instance-attribute wrappers, restored exactly (the previous instance attribute, or none) in reverse order."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[object, str, bool, Any]] = []
+
+    def wrap(self, obj: object, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Replace ``obj.name`` by ``make(current bound callable)``."""
+        own = vars(obj)
+        had = name in own
+        self._saved.append((obj, name, had, own.get(name)))
+        setattr(obj, name, make(getattr(obj, name)))
+
+    def restore(self) -> None:
+        """Undo every wrap, newest first."""
+        while self._saved:
+            obj, name, had, prev = self._saved.pop()
+            if had:
+                setattr(obj, name, prev)
+            elif name in vars(obj):
+                delattr(obj, name)
+
+    def __len__(self) -> int:
+        return len(self._saved)
+
+
+class _History(Sequence[int]):
+    """A request's true tokens (prompt + generated) as one sequence, without copying either list."""
+
+    __slots__ = ("_a", "_b")
+
+    def __init__(self, a: Sequence[int], b: Sequence[int]) -> None:
+        self._a, self._b = a, b
+
+    def __len__(self) -> int:
+        return len(self._a) + len(self._b)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        na = len(self._a)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[k] for k in range(start, stop, step)]
+            if stop <= na:
+                return list(self._a[start:stop])
+            if start >= na:
+                return list(self._b[start - na:stop - na])
+            return list(self._a[start:]) + list(self._b[:stop - na])
+        k = i + len(self) if i < 0 else i
+        return self._a[k] if k < na else self._b[k - na]
+
+
+@dataclass(frozen=True)
+class _Req:
+    """One request of a batch as prepare_batch_tensors found it (before it advanced the request)."""
+
+    request_id: str
+    state: Any  # transformers RequestState
+    prefix_len: int
+    extend_len: int
+
+
+class HFPoolAdapter:
+    """The kvcanary engine adapter over one ``PagedAttentionCache`` (full-attention group only).
+
+    Slots are *dense*: ``block_id * page_size + offset``. transformers addresses a token by the sparse row
+    ``block_id * block_physical_stride + offset`` (every layer's K and V live in one block), so the dense id space
+    is ``block_physical_stride / page_size`` times smaller. Block ids below two sectors are transformers' trash
+    sectors (padding reads and writes): reserved, never verified.
+    """
+
+    def __init__(self, cache: Any, req_rows: int | None = None, max_context: int | None = None,
+                 max_position_embeddings: int | None = None) -> None:
+        if list(cache.cache_allocators) != [_FULL]:
+            raise TransformersIntegrationError(f"kvcanary guards full-attention-only models; this cache has groups "
+                                               f"{list(cache.cache_allocators)}")
+        alloc = cache.cache_allocators[_FULL]
+        self.cache, self.alloc = cache, alloc
+        self.page = int(alloc.tokens_per_page)
+        self.stride = int(alloc.block_physical_stride)
+        bps = int(alloc.blocks_per_sector)
+        self.total_blocks = (int(cache.num_sectors) + 2) * bps
+        self.num_slots = self.total_blocks * self.page
+        self.reserved_slots = 2 * bps * self.page
+        self.device = torch.device(cache.device)
+        self.num_layers = len(alloc.layer_indices)
+        usable = self.num_slots - self.reserved_slots
+        self.req_rows = req_rows if req_rows is not None else max(1, self.total_blocks - 2 * bps)
+        self.max_context = max_context if max_context is not None else min(usable, max_position_embeddings or usable)
+        if self.req_rows < 1 or self.max_context < 1:
+            raise CanaryInputError(f"req_rows and max_context must be >= 1, got {self.req_rows}, {self.max_context}")
+        dtype = torch.int32 if self.num_slots < 2**31 else torch.int64
+        self.req_to_token = torch.full((self.req_rows, self.max_context), NO_SLOT, dtype=dtype, device=self.device)
+        self._rows: dict[str, int] = {}
+        self._free_rows = list(range(self.req_rows - 1, -1, -1))
+        self._hashed: dict[int, tuple[int, int, int]] = {}  # block -> (content hash, first position, parent or -1)
+        self._hashed_upto: dict[str, int] = {}  # request -> leading blocks of its table already recorded
+        self._warned_fallback = False
+
+    # ------------------------------------------------------------------ pool description
+
+    def sources(self) -> list[list[SourceSpec]]:
+        """Per half (K, V), one byte-row source per layer: row = block, ``page_size`` tokens of ``row_bytes`` each."""
+        alloc = self.alloc
+        row_bytes = int(alloc.num_key_value_heads) * int(alloc.head_dim) * alloc.cache_dtype.itemsize
+        block_bytes = int(alloc.bytes_per_block)
+        flat = self.cache.cache_tensor
+        expected = 2 * self.num_layers * self.page * row_bytes
+        if flat.numel() != self.total_blocks * block_bytes or block_bytes != expected:
+            raise TransformersIntegrationError(f"unexpected pool layout: {flat.numel()} bytes for {self.total_blocks} "
+                                               f"blocks of {block_bytes} bytes ({self.num_layers} layers, page "
+                                               f"{self.page}, row {row_bytes} bytes)")
+        blocks = flat.view(self.total_blocks, block_bytes)
+        span = self.page * row_bytes
+        return [[SourceSpec(blocks[:, (2 * i + h) * span:(2 * i + h + 1) * span], self.page, row_bytes)
+                 for i in range(self.num_layers)] for h in (0, 1)]
+
+    def pool_description(self) -> PoolDescription:
+        """The pool as kvcanary sees it (one FULL group, K and V, every layer a fingerprint source)."""
+        group = GroupSpec(Group.FULL, self.num_slots, 2, self.reserved_slots, sources=self.sources())
+        return PoolDescription(self.num_slots, self.req_rows, self.max_context, [group], self.device, self.page)
+
+    # ------------------------------------------------------------------ slots and rows
+
+    def dense(self, sparse: torch.Tensor) -> torch.Tensor:
+        """transformers' sparse slot rows -> dense slots (int64); rows that are no token slot -> NO_SLOT."""
+        s = sparse.to(torch.int64)
+        block = torch.div(s, self.stride, rounding_mode="floor")
+        off = s - block * self.stride
+        ok = (s >= 0) & (off < self.page)
+        return torch.where(ok, block * self.page + off, torch.full_like(s, NO_SLOT))
+
+    def row(self, request_id: str) -> int:
+        """The request's row of req_to_token (assigned on first sight, freed when its blocks are freed)."""
+        r = self._rows.get(request_id)
+        if r is None:
+            if not self._free_rows:
+                raise CanaryInputError(f"more than req_rows={self.req_rows} live requests; install(..., req_rows=N)")
+            r = self._rows[request_id] = self._free_rows.pop()
+        return r
+
+    def release(self, request_id: str) -> bool:
+        """Forget a request whose blocks were freed; True when it had a row."""
+        self._hashed_upto.pop(request_id, None)
+        r = self._rows.pop(request_id, None)
+        if r is None:
+            return False
+        self._free_rows.append(r)
+        return True
+
+    @property
+    def live_requests(self) -> int:
+        """Requests holding a row."""
+        return len(self._rows)
+
+    # ------------------------------------------------------------------ batch view
+
+    def batch_view(self, io: Any, reqs: Sequence[_Req]) -> BatchView:
+        """The forward's batch view: the slot table is what the attention reads (``read_index``), the write slots
+        what it writes (``write_index``), both converted to dense slots."""
+        ids = [r.request_id for r in reqs]
+        rows = [self.row(i) for i in ids]
+        pre = [r.prefix_len for r in reqs]
+        ext = [r.extend_len for r in reqs]
+        kv = [p + e for p, e in zip(pre, ext, strict=True)]
+        starts, total = [], 0
+        for k in kv:
+            starts.append(total)
+            total += k
+        n = int(io.total_seqlen_q)
+        meta = torch.tensor([rows, pre, ext, kv, starts], dtype=torch.int64).to(self.device)
+        if total:
+            src = self._read_slots(io, reqs, total, n)
+            rr = torch.repeat_interleave(meta[0], meta[3], output_size=total)
+            cc = torch.arange(total, device=self.device) - torch.repeat_interleave(meta[4], meta[3], output_size=total)
+            if max(kv) > self.max_context:  # the plan flags those requests (input error); keep the fill in bounds
+                cc.clamp_(max=self.max_context - 1)
+            self.req_to_token.index_put_((rr, cc), self.dense(src).to(self.req_to_token.dtype))
+        truth = [_History(r.state.initial_tokens, r.state.generated_tokens) for r in reqs]
+        return BatchView(meta[0], meta[1], meta[2], self.req_to_token, io.input_ids[:n], io.position_ids[:n],
+                         self.dense(io.write_index_storage[0, :n]), ids, rows, pre, ext, truth)
+
+    def _read_slots(self, io: Any, reqs: Sequence[_Req], total: int, n: int) -> torch.Tensor:
+        """Sparse slots of positions 0..prefix+extend-1 of every request, in batch order (what the attention reads)."""
+        if int(io.true_read_sizes[0]) == total:
+            return io.read_index_storage[0, :total]  # type: ignore[no-any-return]
+        if int(io.true_read_sizes[0]) == 0 and total == n:  # no request reads cache: every prefix is empty
+            return io.write_index_storage[0, :n]  # type: ignore[no-any-return]
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            logger.warning("kvcanary: read index of %d slots for %d positions; rebuilding the slot table from the "
+                           "block tables", int(io.true_read_sizes[0]), total)
+        flat = [s for r in reqs for s in self.alloc.get_read_indices(r.request_id, r.prefix_len, r.extend_len)]
+        return torch.tensor(flat, dtype=torch.int64, device=self.device)
+
+    # ------------------------------------------------------------------ prefix cache (sweep)
+
+    def on_blocks_hashed(self, request_id: str) -> None:
+        """Record (first position, parent block) of the request's newly hashed blocks; the ledger keeps neither."""
+        bt = self.alloc.block_table.get(request_id)
+        if not bt:
+            return
+        b2h = self.alloc.ledger.block_to_hash
+        i = self._hashed_upto.get(request_id, 0)
+        while i < len(bt):
+            h = b2h.get(bt[i])
+            if h is None:
+                break
+            if self._hashed.get(bt[i], (None, 0, 0))[0] != h:
+                self._hashed[bt[i]] = (h, i * self.page, bt[i - 1] if i else -1)
+            i += 1
+        self._hashed_upto[request_id] = i
+
+    def forget_hashes(self) -> None:
+        """Drop every recorded block whose hash the ledger no longer holds."""
+        b2h = self.alloc.ledger.block_to_hash
+        for b in [b for b, (h, _, _) in self._hashed.items() if b2h.get(b) != h]:
+            del self._hashed[b]
+
+    def prefix_cache_export(self) -> PrefixCacheExport | None:
+        """Every hashed block (live or cached) as a chain of ``page_size`` slots; ``unlocked`` = cached."""
+        self.forget_hashes()
+        valid = self._hashed
+        chains = [(b, fp, par) for b, (_, fp, par) in valid.items() if par < 0 or par in valid]
+        d, p = self.device, self.page
+        if not chains:
+            z = torch.zeros(0, dtype=torch.int64, device=d)
+            return PrefixCacheExport(z, z, z, z, z, torch.zeros(0, dtype=torch.bool, device=d))
+        cached = self.alloc.ledger.cached_blocks
+        host = torch.tensor([[b for b, _, _ in chains], [fp for _, fp, _ in chains],
+                             [par * p + p - 1 if par >= 0 else NO_SLOT for _, _, par in chains],
+                             [int(b in cached) for b, _, _ in chains]], dtype=torch.int64).to(d)
+        n = len(chains)
+        slots = (host[0].unsqueeze(1) * p + torch.arange(p, device=d)).reshape(-1)
+        return PrefixCacheExport(slots, torch.arange(n, device=d) * p, torch.full((n,), p, dtype=torch.int64, device=d),
+                                 host[1].contiguous(), host[2].contiguous(), host[3].to(torch.bool))
+
+    def copy_records(self, canary: CanaryManager, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
+        """A fork copied whole blocks: copy their canary records along."""
+        buffers = canary.transfer_buffers()
+        if not buffers or not src_blocks:
+            return
+        ar = torch.arange(self.page, device=self.device)
+
+        def slots(blocks: Sequence[int]) -> torch.Tensor:
+            return (torch.tensor(list(blocks), dtype=torch.int64, device=self.device).unsqueeze(1) * self.page
+                    + ar).reshape(-1)
+        copy_transfer(buffers, slots(src_blocks), buffers, slots(dst_blocks))
+
+
+class _Session:
+    """The canary of one ContinuousBatchProcessor (one PagedAttentionCache) and its wrappers."""
+
+    def __init__(self, handle: TransformersCanary, hf_manager: Any, proc: Any) -> None:
+        self.handle, self.hf_manager, self.proc = handle, hf_manager, proc
+        cache = proc.cache
+        text_cfg = hf_manager.model.config.get_text_config()
+        self.adapter = HFPoolAdapter(cache, handle.req_rows, handle.max_context,
+                                     getattr(text_cfg, "max_position_embeddings", None))
+        self.canary: CanaryManager = install_manager(self.adapter, handle.config,
+                                                     sinks=[handle._on_report, *handle.sinks])
+        self.graphs = any(hf_manager.continuous_batching_config.cuda_graph_booleans)
+        self.pending: list[_Req] | None = None
+        self.in_forward = False
+        self.layer_writes = 0
+        self.stray_writes = 0
+        self.write_ptr = 0
+        self.stats: Counter[str] = Counter()
+        self.patches = _Patches()
+        alloc = self.adapter.alloc
+        p = self.patches
+        p.wrap(proc, "_generation_step", self._wrap_step)
+        p.wrap(proc.inputs_and_outputs, "prepare_batch_tensors", self._wrap_prepare)
+        p.wrap(alloc, "update", self._wrap_update)
+        p.wrap(alloc, "allocate_cache_to_request", self._wrap_allocate)
+        p.wrap(alloc, "free_blocks", self._wrap_free)
+        p.wrap(alloc, "mark_complete_blocks", self._wrap_mark_complete)
+        p.wrap(alloc, "copy_blocks", self._wrap_copy)
+        p.wrap(cache, "search_prefix_match", self._wrap_prefix_match)
+        p.wrap(cache, "evict_cached_blocks", self._wrap_evict)
+        p.wrap(cache, "reset", self._wrap_reset)
+
+    # ------------------------------------------------------------------ the forward bracket
+
+    def _wrap_prepare(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def prepare_batch_tensors(*args: Any, **kwargs: Any) -> Any:
+            batch = kwargs["requests_in_batch"] if "requests_in_batch" in kwargs else args[0]
+            reqs = [_Req(fs.state.request_id, fs.state, int(fs.state.position_offset), int(fs.query_length))
+                    for fs in batch]
+            out = orig(*args, **kwargs)
+            # warmup batches (graphs/compile) run fake requests outside the generation step; a reset follows them
+            self.pending = None if any(r.request_id.startswith("__warmup_") for r in reqs) else reqs
+            return out
+        return prepare_batch_tensors
+
+    def _wrap_step(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def _generation_step(model: Any) -> Any:
+            reqs, self.pending = self.pending, None
+            if not reqs:
+                self.stats["unbracketed_steps"] += 1
+                return orig(model)
+            try:
+                return self._bracket(orig, model, reqs)
+            except KVCanaryError as e:
+                self.handle._stash(e)
+                raise
+        return _generation_step
+
+    def _bracket(self, orig: Callable[..., Any], model: Any, reqs: list[_Req]) -> Any:
+        io = self.proc.inputs_and_outputs
+        if io.use_block_table:
+            raise TransformersIntegrationError("the block-table (flash) decode path writes KV inside its kernel; "
+                                               "kvcanary needs max_blocks_per_request=0")
+        cs = io.compute_stream
+        ctx: AbstractContextManager[Any] = nullcontext()
+        if cs is not None:  # order the canary (and the forward) after prepare_batch_tensors' copies
+            cs.wait_stream(torch.cuda.current_stream(cs.device))
+            ctx = torch.cuda.stream(cs)
+        with ctx:
+            batch = self.adapter.batch_view(io, reqs)
+            with self.canary.forward(batch):
+                self.canary.pre_forward()
+                self.in_forward, self.layer_writes, self.stray_writes = True, 0, 0
+                self.write_ptr = io.write_index_storage[0].data_ptr()
+                try:
+                    out = orig(model)
+                finally:
+                    self.in_forward = False
+                self.canary.post_forward()
+        if cs is not None:
+            torch.cuda.current_stream(cs.device).wait_stream(cs)
+        self.stats["forwards"] += 1
+        self.stats["tokens"] += batch.num_tokens
+        self._check_writes()
+        return out
+
+    def _wrap_update(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, read_index: torch.Tensor,
+                   write_index: torch.Tensor) -> Any:
+            if self.in_forward:
+                self.layer_writes += 1
+                if write_index.data_ptr() != self.write_ptr:
+                    self.stray_writes += 1
+            return orig(key_states, value_states, layer_idx, read_index, write_index)
+        return update
+
+    def _check_writes(self) -> None:
+        """Every layer must have written KV exactly through the batch's write slots (a replayed graph writes none)."""
+        if self.stray_writes == 0 and (self.layer_writes == self.adapter.num_layers
+                                       or (self.graphs and self.layer_writes == 0)):
+            return
+        msg = (f"kvcanary: {self.layer_writes} KV writes ({self.stray_writes} through other slots than the batch's) "
+               f"for {self.adapter.num_layers} layers: the KV was written outside the canary's view")
+        self.stats["write_problems"] += 1
+        if self.handle.config.mode == CanaryMode.RAISE:
+            raise TransformersIntegrationError(msg)
+        if self.stats["write_problems"] == 1:
+            logger.warning(msg)
+
+    # ------------------------------------------------------------------ block lifecycle
+
+    def _wrap_allocate(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def allocate_cache_to_request(request_id: str, past_length: int, query_length: int) -> Any:
+            before = len(self.adapter.alloc.block_table.get(request_id, ()))
+            out = orig(request_id, past_length, query_length)
+            self.stats["blocks_allocated"] += len(self.adapter.alloc.block_table.get(request_id, ())) - before
+            return out
+        return allocate_cache_to_request
+
+    def _wrap_free(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def free_blocks(request_id: str, no_cache: bool = False) -> Any:
+            out = orig(request_id, no_cache)
+            if self.adapter.release(request_id):
+                self.canary.release(request_id)
+                self.stats["requests_released"] += 1
+            return out
+        return free_blocks
+
+    def _wrap_mark_complete(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def mark_complete_blocks(request_id: str, token_ids: list[int], new_new_blocks: int) -> Any:
+            out = orig(request_id, token_ids, new_new_blocks)
+            self.adapter.on_blocks_hashed(request_id)
+            return out
+        return mark_complete_blocks
+
+    def _wrap_copy(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def copy_blocks(source_block_ids: list[int], dest_block_ids: list[int]) -> Any:
+            out = orig(source_block_ids, dest_block_ids)
+            self.adapter.copy_records(self.canary, source_block_ids, dest_block_ids)
+            self.stats["blocks_copied"] += len(source_block_ids)
+            return out
+        return copy_blocks
+
+    def _wrap_prefix_match(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
+            hit = int(orig(request_id, prompt_ids))
+            self.stats["prefix_lookups"] += 1
+            self.stats["prefix_hits"] += int(hit > 0)
+            self.stats["prefix_hit_tokens"] += hit
+            return hit
+        return search_prefix_match
+
+    def _wrap_evict(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def evict_cached_blocks() -> bool:
+            out = bool(orig())
+            self.adapter.forget_hashes()
+            self.stats["evictions"] += int(out)
+            return out
+        return evict_cached_blocks
+
+    def _wrap_reset(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def reset() -> Any:
+            out = orig()
+            self.adapter.forget_hashes()
+            return out
+        return reset
+
+    def close(self) -> None:
+        """Flush the canary's last window (stashing a RAISE error) and remove this session's wrappers."""
+        try:
+            self.canary.flush()
+        except KVCanaryError as e:
+            self.handle._stash(e)
+        finally:
+            self.patches.restore()
+
+
+class TransformersCanary:
+    """The handle returned by :func:`install`: reports, violations, errors, stats; ``uninstall()`` restores all."""
+
+    def __init__(self, config: CanaryConfig, sinks: Sequence[ReportSink] = (), req_rows: int | None = None,
+                 max_context: int | None = None) -> None:
+        self.config = config
+        self.sinks = list(sinks)
+        self.req_rows = req_rows
+        self.max_context = max_context
+        self.reports: list[WindowReport] = []
+        self.errors: list[KVCanaryError] = []
+        self._raised: set[int] = set()
+        self._lock = threading.Lock()
+        self._patches = _Patches()
+        self._hf_managers: dict[int, Any] = {}
+        self._sessions: dict[int, _Session] = {}
+        self._closed_stats: Counter[str] = Counter()
+        self.last_canary: CanaryManager | None = None
+        self._tls = threading.local()
+        self.installed = False
+
+    # ------------------------------------------------------------------ results
+
+    @property
+    def violations(self) -> list[Violation]:
+        """Every kept violation row so far (all sessions)."""
+        with self._lock:
+            return [v for r in self.reports for v in r.violations]
+
+    @property
+    def total_violations(self) -> int:
+        """Exact number of violations so far (kept or not)."""
+        with self._lock:
+            return sum(r.total for r in self.reports)
+
+    @property
+    def stats(self) -> Counter[str]:
+        """Adapter counters (forwards, prefix hits, blocks allocated/copied, requests released, ...)."""
+        out = Counter(self._closed_stats)
+        for s in list(self._sessions.values()):
+            out.update(s.stats)
+        return out
+
+    @property
+    def canaries(self) -> list[CanaryManager]:
+        """The kvcanary managers of the live sessions (one per transformers cache)."""
+        return [s.canary for s in self._sessions.values()]
+
+    def check(self) -> None:
+        """Raise the first canary error of this handle (CanaryViolationError in RAISE mode), if any."""
+        with self._lock:
+            err = self.errors[0] if self.errors else None
+        if err is not None:
+            raise err
+
+    # ------------------------------------------------------------------ install / uninstall
+
+    def attach_model(self, model: Any) -> None:
+        """Guard every continuous-batching run of ``model`` (generate_batch, init_continuous_batching)."""
+        if not callable(getattr(model, "init_continuous_batching", None)):
+            raise TransformersIntegrationError(f"{type(model).__name__} has no continuous batching")
+
+        def wrap_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def init_continuous_batching(*args: Any, **kwargs: Any) -> Any:
+                mgr = orig(*args, **kwargs)
+                self.attach_manager(mgr)
+                return mgr
+            return init_continuous_batching
+
+        def wrap_generate(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def generate_batch(*args: Any, **kwargs: Any) -> Any:
+                self._tls.depth = getattr(self._tls, "depth", 0) + 1
+                try:
+                    out = orig(*args, **kwargs)
+                finally:
+                    self._tls.depth -= 1
+                self._raise_pending()
+                return out
+            return generate_batch
+
+        self._patches.wrap(model, "init_continuous_batching", wrap_init)
+        self._patches.wrap(model, "generate_batch", wrap_generate)
+        cached = getattr(model, "_cached_continuous_batching_manager", None)
+        if cached is not None:
+            self.attach_manager(cached)
+
+    def attach_manager(self, mgr: Any) -> None:
+        """Guard one ContinuousBatchingManager (before it starts)."""
+        if id(mgr) in self._hf_managers:
+            return
+        _validate_manager(mgr)
+        self._hf_managers[id(mgr)] = mgr
+
+        def wrap_create(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def _create_batch_processor() -> Any:
+                proc = orig()
+                try:
+                    self._attach_processor(mgr, proc)
+                except KVCanaryError as e:
+                    self._stash(e)
+                    raise
+                return proc
+            return _create_batch_processor
+
+        def wrap_get_result(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def get_result(*args: Any, **kwargs: Any) -> Any:
+                inside = getattr(self._tls, "depth", 0) > 0  # generate_batch swallows it: its wrapper raises
+                if not inside:
+                    self._raise_pending()
+                out = orig(*args, **kwargs)
+                if not inside:
+                    self._raise_pending()
+                return out
+            return get_result
+
+        def wrap_stop(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def stop(*args: Any, **kwargs: Any) -> Any:
+                out = orig(*args, **kwargs)
+                if not mgr.is_running():
+                    self._after_stop(mgr)
+                    if getattr(self._tls, "depth", 0) == 0:
+                        self._raise_pending()
+                return out
+            return stop
+
+        self._patches.wrap(mgr, "_create_batch_processor", wrap_create)
+        self._patches.wrap(mgr, "get_result", wrap_get_result)
+        self._patches.wrap(mgr, "stop", wrap_stop)
+        if mgr.batch_processor is not None:
+            self._attach_processor(mgr, mgr.batch_processor)
+
+    def _attach_processor(self, mgr: Any, proc: Any) -> None:
+        if id(proc) in self._sessions:
+            return
+        cache = proc.cache
+        live = [rid for a in cache.cache_allocators.values() for rid in a.block_table]
+        if live:
+            raise TransformersIntegrationError(f"requests {live[:4]} hold KV written before kvcanary was installed; "
+                                               "install before the manager starts")
+        if any(a.ledger.cached_blocks for a in cache.cache_allocators.values()):
+            logger.warning("kvcanary: evicting prefix-cache blocks written before kvcanary was installed")
+            cache.evict_cached_blocks()
+        session = _Session(self, mgr, proc)
+        self._sessions[id(proc)] = session
+        self.last_canary = session.canary
+
+    def _after_stop(self, mgr: Any) -> None:
+        """Flush the sessions of a stopped manager; close those whose processor it dropped."""
+        for key, s in list(self._sessions.items()):
+            if s.hf_manager is not mgr:
+                continue
+            if mgr.batch_processor is s.proc:  # kept for the next session: flush only
+                try:
+                    s.canary.flush()
+                except KVCanaryError as e:
+                    self._stash(e)
+                continue
+            s.close()
+            self._closed_stats.update(s.stats)
+            del self._sessions[key]
+
+    def uninstall(self) -> None:
+        """Remove every wrapper (stopped managers only); the objects are exactly as before install."""
+        running = [m for m in self._hf_managers.values() if m.is_running()]
+        if running:
+            raise TransformersIntegrationError("stop the continuous batching manager before uninstalling kvcanary")
+        for key, s in list(self._sessions.items()):
+            s.close()
+            self._closed_stats.update(s.stats)
+            del self._sessions[key]
+        self._patches.restore()
+        self._hf_managers.clear()
+        self.installed = False
+
+    def __enter__(self) -> TransformersCanary:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.uninstall()
+
+    # ------------------------------------------------------------------ errors across the background thread
+
+    def _on_report(self, report: WindowReport) -> None:
+        with self._lock:
+            self.reports.append(report)
+
+    def _stash(self, err: KVCanaryError) -> None:
+        with self._lock:
+            if all(e is not err for e in self.errors):
+                self.errors.append(err)
+
+    def _raise_pending(self) -> None:
+        """Re-raise, once, a canary error that the generation thread swallowed."""
+        with self._lock:
+            err = next((e for e in self.errors if id(e) not in self._raised), None)
+            if err is not None:
+                self._raised.add(id(err))
+        if err is not None:
+            raise err
+
+    def iter_sessions(self) -> Iterator[_Session]:
+        """Live sessions (for diagnostics and tests)."""
+        return iter(list(self._sessions.values()))
+
+
+def _validate_manager(mgr: Any) -> None:
+    """Refuse configurations whose KV writes or token ids the canary cannot see."""
+    cfg = mgr.continuous_batching_config
+    attn = mgr.model.config._attn_implementation
+    problems = []
+    if cfg.use_async_batching:
+        problems.append("use_async_batching=True (host input ids are placeholders): set use_async_batching=False")
+    if attn not in _SUPPORTED_ATTN:
+        problems.append(f"attention {attn!r} writes KV inside its kernel: use attn_implementation='sdpa' and "
+                        "ContinuousBatchingConfig(auto_switch_to_flash=False)")
+    if cfg.max_blocks_per_request:
+        problems.append(f"max_blocks_per_request={cfg.max_blocks_per_request} (block-table decode path): set 0")
+    if cfg.cpu_offload_space:
+        problems.append("cpu_offload_space > 0 (blocks swapped to CPU move without their canary records): set 0")
+    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+
+    groups = list(group_layers_by_attn_type(mgr.model.config.get_text_config()))
+    if groups != [_FULL]:
+        problems.append(f"layer groups {groups}: only full-attention-only models are supported")
+    if problems:
+        raise TransformersIntegrationError("kvcanary cannot guard this continuous batching setup: "
+                                           + "; ".join(problems))
+    if mgr.is_running():
+        raise TransformersIntegrationError("install kvcanary before the continuous batching manager starts")
+
+
+def install(model_or_manager: Any, config: CanaryConfig | None = None, *, sinks: Sequence[ReportSink] = (),
+            req_rows: int | None = None, max_context: int | None = None) -> TransformersCanary:
+    """Install kvcanary into a transformers model's continuous batching (``generate_batch``,
+    ``init_continuous_batching``) or into one ``ContinuousBatchingManager`` (before ``start()``).
+
+    One kvcanary manager is installed per transformers paged cache when its batch processor is created.
+    RAISE mode: ``generate_batch`` / ``get_result`` / ``stop`` raise the CanaryViolationError that the generation
+    thread hit. ``req_rows`` (live requests) and ``max_context`` (tokens per request) size the slot table; the
+    defaults derive from the cache. Returns a handle; ``handle.uninstall()`` (or ``with install(...)``) restores
+    every wrapped object exactly. ``config`` defaults to ``CanaryConfig.from_env()``.
+    """
+    api = _check_transformers()
+    cfg = config if config is not None else CanaryConfig.from_env()
+    handle = TransformersCanary(cfg, sinks, req_rows, max_context)
+    if cfg.mode == CanaryMode.NONE:
+        return handle
+    if isinstance(model_or_manager, api.ContinuousBatchingManager):
+        handle.attach_manager(model_or_manager)
+    else:
+        handle.attach_model(model_or_manager)
+    handle.installed = True
+    return handle

@@ -1,0 +1,439 @@
+"""kvcanary inside transformers 5.23.0 continuous batching: clean runs, injected faults, install/uninstall (CPU)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hf_util import (  # skips the module without transformers 5.23.0
+    PAGE,
+    cb_config,
+    distinct_prompts,
+    full_alloc,
+    gen_config,
+    generate,
+    run_manager,
+    shared_prefix_prompts,
+    tiny_llama,
+    tiny_qwen3,
+    wrap_instance,
+)
+from kvcanary.config import CanaryConfig
+from kvcanary.integrations import transformers as kt
+from kvcanary.report import CanaryViolationError, Violation
+from kvcanary_schema import FailReason, Group, Half, LaunchTag, Stage
+
+VERIFY_ANY = FailReason.VERIFY_CHAIN | FailReason.VERIFY_POSITION | FailReason.VERIFY_TOKEN
+WRAPPED_NAMES = ("_generation_step", "prepare_batch_tensors", "update", "allocate_cache_to_request", "free_blocks",
+                 "mark_complete_blocks", "copy_blocks", "search_prefix_match", "evict_cached_blocks", "reset",
+                 "_create_batch_processor", "get_result", "stop", "init_continuous_batching", "generate_batch")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny models: intra-op threads only add contention on a 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return shared_prefix_prompts()
+
+
+@pytest.fixture(scope="module")
+def baseline(llama: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """Tokens without kvcanary (max_batch_tokens=24: chunked prefill, later prompts hit cached prefix blocks)."""
+    return generate(llama, prompts, max_batch_tokens=24)
+
+
+def raise_config(**over: Any) -> CanaryConfig:
+    """RAISE mode, fingerprints of every layer, torch reference backend."""
+    kw: dict[str, Any] = {"mode": "raise", "fingerprint": "all", "layer_coverage": "all", "sweep_interval": 0,
+                          "backend": "torch"}
+    kw.update(over)
+    return CanaryConfig(**kw)
+
+
+def no_wrappers_left(*objs: Any) -> bool:
+    return all(name not in vars(o) for o in objs for name in WRAPPED_NAMES)
+
+
+def tags(vs: list[Violation]) -> set[LaunchTag]:
+    return {v.tag for v in vs}
+
+
+# ---------------------------------------------------------------------------------------------------------- clean runs
+
+
+def test_clean_shared_prefix_generate_batch(llama: Any, prompts: list[list[int]], baseline: list[list[int]]) -> None:
+    """Prefix hits + de-dup + chunked prefill + sweeps: zero violations, the same tokens, everything restored."""
+    handle = kt.install(llama, raise_config(sweep_interval=2))
+    try:
+        out = generate(llama, prompts, max_batch_tokens=24)
+        canary = handle.last_canary
+    finally:
+        handle.uninstall()
+    assert out == baseline
+    assert handle.total_violations == 0 and handle.errors == []
+    st = handle.stats
+    assert st["forwards"] >= 8 and st["prefix_hits"] >= 2 and st["prefix_hit_tokens"] >= 2 * PAGE, st
+    assert st["requests_released"] == len(prompts) and st.get("write_problems", 0) == 0, st
+    assert canary is not None and canary.sweeps_completed >= 2
+    assert canary.metrics.counters["entries_checked"] > 0 and canary.metrics.counters["entries_written"] > 0
+    assert no_wrappers_left(llama)
+    assert generate(llama, prompts, max_batch_tokens=24) == baseline  # still fine after uninstall
+
+
+def test_clean_sequential_prefix_hits_manager(llama: Any, prompts: list[list[int]], baseline: list[list[int]]) -> None:
+    """install(manager): sequential requests hit the blocks of finished ones (cached, unreferenced), sweeps on."""
+    mgr = llama.init_continuous_batching(generation_config=gen_config(8), continuous_batching_config=cb_config(24))
+    with kt.install(mgr, raise_config(sweep_interval=3)) as handle:
+        mgr.start()
+        try:
+            got = []
+            for i, p in enumerate(prompts):
+                mgr.add_request(p, request_id=f"s{i}", max_new_tokens=8)
+                r = mgr.get_result(request_id=f"s{i}", timeout=60)
+                assert r is not None and r.error is None
+                got.append(r.generated_tokens)
+        finally:
+            mgr.stop(block=True)
+        assert handle.stats["prefix_hit_tokens"] >= 3 * 2 * PAGE, handle.stats
+    mgr.destroy()
+    assert got == baseline and handle.total_violations == 0 and handle.errors == []
+    assert no_wrappers_left(mgr, llama)
+
+
+def test_clean_fork_copies_records(llama: Any, prompts: list[list[int]]) -> None:
+    """num_return_sequences=3: forks copy their partial blocks, and the canary records with them."""
+    handle = kt.install(llama, raise_config())
+    try:
+        out = llama.generate_batch(prompts[:2], generation_config=gen_config(5, do_sample=True, num_return_sequences=3),
+                                   continuous_batching_config=cb_config(), warmup=False)
+    finally:
+        handle.uninstall()
+    assert len(out) == 6 and all(r.error is None for r in out.values())
+    assert handle.stats["blocks_copied"] > 0 and handle.total_violations == 0, handle.stats
+
+
+def test_fork_without_record_copy_is_detected(llama: Any, prompts: list[list[int]],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record copy is what keeps forks clean: without it the children's copied slots fail verification."""
+    monkeypatch.setattr(kt.HFPoolAdapter, "copy_records", lambda self, canary, src, dst: None)
+    handle = kt.install(llama, raise_config(mode="log"))
+    try:
+        llama.generate_batch(prompts[:1], generation_config=gen_config(4, do_sample=True, num_return_sequences=2),
+                             continuous_batching_config=cb_config(), warmup=False)
+    finally:
+        handle.uninstall()
+    vs = handle.violations
+    assert vs and {v.request_id for v in vs} == {"req_0__child#0"}
+
+
+def test_clean_qwen3(prompts: list[list[int]]) -> None:
+    model = tiny_qwen3()
+    ref = generate(model, prompts[:3], max_new_tokens=5, max_batch_tokens=24)
+    with kt.install(model, raise_config(sweep_interval=2)) as handle:
+        out = generate(model, prompts[:3], max_new_tokens=5, max_batch_tokens=24)
+    assert out == ref and handle.total_violations == 0 and handle.stats["prefix_hits"] >= 1
+
+
+def test_log_mode_keeps_generating(llama: Any, prompts: list[list[int]]) -> None:
+    """LOG mode never raises: the run finishes and the violations are on the handle (here: a reused block)."""
+    handle = kt.install(llama, raise_config(mode="log"))
+    try:
+        res = run_manager(llama, distinct_prompts(), max_new_tokens=6, max_batch_tokens=24,
+                          inject=reuse_live_block(victim="r0", thief="r1"))
+    finally:
+        handle.uninstall()
+    assert len(res) == 2 and handle.errors == []
+    assert "r0" in {v.request_id for v in handle.violations}
+
+
+# ------------------------------------------------------------------------------------------------------ injected faults
+
+
+def expect_violation(run: Callable[[], object]) -> CanaryViolationError:
+    with pytest.raises(CanaryViolationError) as info:
+        run()
+    return info.value
+
+
+@pytest.mark.parametrize("half", [Half.K, Half.V])
+def test_corrupt_cached_prefix_block_before_hit(llama: Any, prompts: list[list[int]], half: Half) -> None:
+    """Flip one K (V) element of layer 1 in a cached block; the next request hitting it fails TAIL's fingerprint."""
+    corrupted: dict[str, int] = {}
+
+    def corrupt(mgr: Any, i: int) -> None:
+        if i != 0:
+            return
+        alloc = full_alloc(mgr.batch_processor)
+        block = alloc.ledger.hash_to_block[kt_block_hash(prompts[0][:PAGE])]
+        assert block in alloc.ledger.cached_blocks
+        slot = block * alloc.block_physical_stride + 3
+        row = alloc._kv_token_views[1][int(half)][slot]
+        row[0, 0] = row[0, 0] * -3.0 + 1.0
+        corrupted["block"] = block
+
+    handle = kt.install(llama, raise_config())
+    try:
+        err = expect_violation(lambda: run_manager(llama, prompts[:2], sequential=True, between=corrupt,
+                                                   max_new_tokens=3))
+    finally:
+        handle.uninstall()
+    tag = LaunchTag.of(Stage.TAIL, half, Group.FULL)
+    hits = [v for v in err.violations if v.tag == tag]
+    assert hits and err.request_ids == ["r1"], err
+    v = hits[0]
+    assert v.reasons & FailReason.VERIFY_FINGERPRINT and v.position == 3 and v.request_id == "r1"
+    assert v.slot == corrupted["block"] * PAGE + 3
+    assert tags(err.violations) == {tag}  # HEAD (no fingerprint) saw nothing: the records are intact
+
+
+def kt_block_hash(tokens: list[int]) -> int:
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
+
+    return int(compute_block_hash(None, tokens))
+
+
+def test_corrupt_read_index(llama: Any) -> None:
+    """Swap two read-index entries of one request (attention reads position P where 0 should be)."""
+    seen: dict[str, Any] = {}
+
+    def inject(proc: Any) -> None:
+        io = proc.inputs_and_outputs
+
+        def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def prepare_batch_tensors(*a: Any, **k: Any) -> Any:
+                out = orig(*a, **k)
+                if "rid" not in seen and io.true_read_sizes[0] > 0:
+                    start = 0
+                    for fs in io.requests_in_batch:
+                        past = fs.state.position_offset - fs.query_length
+                        if past >= 2 * PAGE:
+                            rs = io.read_index_storage[0]
+                            a0, a1 = rs[start].item(), rs[start + PAGE].item()
+                            rs[start], rs[start + PAGE] = a1, a0
+                            seen["rid"] = fs.state.request_id
+                            break
+                        start += past + fs.query_length
+                return out
+            return prepare_batch_tensors
+        wrap_instance(io, "prepare_batch_tensors", make)
+
+    with kt.install(llama, raise_config()):
+        err = expect_violation(lambda: run_manager(llama, distinct_prompts(), inject=inject))
+    assert err.request_ids == [seen["rid"]]
+    head = [v for v in err.violations if v.tag == LaunchTag.HEAD_K_FULL]
+    assert {v.position for v in head} >= {0, PAGE}
+    assert all(v.reasons & FailReason.VERIFY_POSITION for v in head if v.position in (0, PAGE))
+
+
+def test_corrupt_block_table(llama: Any) -> None:
+    """Point a request's first block-table entry at a never-written block before the batch is prepared."""
+    seen: dict[str, Any] = {}
+
+    def inject(proc: Any) -> None:
+        alloc = full_alloc(proc)
+        io = proc.inputs_and_outputs
+
+        def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def prepare_batch_tensors(*a: Any, **k: Any) -> Any:
+                batch = k["requests_in_batch"]
+                if "rid" not in seen:
+                    for fs in batch:
+                        if fs.state.position_offset >= PAGE:
+                            rid = fs.state.request_id
+                            used = {b for t in alloc.block_table.values() for b in t}
+                            fresh = min(b for b in range(2 * alloc.blocks_per_sector, 100) if b not in used)
+                            alloc.block_table[rid][0] = fresh
+                            seen["rid"] = rid
+                            break
+                return orig(*a, **k)
+            return prepare_batch_tensors
+        wrap_instance(io, "prepare_batch_tensors", make)
+
+    with kt.install(llama, raise_config()):
+        err = expect_violation(lambda: run_manager(llama, distinct_prompts(), inject=inject))
+    assert err.request_ids == [seen["rid"]]
+    head = [v for v in err.violations if v.tag in (LaunchTag.HEAD_K_FULL, LaunchTag.HEAD_V_FULL)]
+    assert head and all(v.reasons & VERIFY_ANY for v in head)
+    assert {v.position for v in head} >= set(range(1, PAGE))  # a zeroed record claims position 0 everywhere
+
+
+def reuse_live_block(victim: str, thief: str) -> Callable[[Any], None]:
+    """The block pool hands ``thief`` the first block of ``victim`` while the victim still references it."""
+    def inject(proc: Any) -> None:
+        alloc = full_alloc(proc)
+        pool = proc.cache.pool
+        asking: dict[str, str] = {}
+        armed = [True]
+
+        def make_alloc(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def allocate_cache_to_request(request_id: str, past: int, q: int) -> Any:
+                asking["rid"] = request_id
+                try:
+                    return orig(request_id, past, q)
+                finally:
+                    asking.pop("rid", None)
+            return allocate_cache_to_request
+
+        def make_get(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def get_free_blocks(index: int, num_blocks: int) -> list[int]:
+                vt = alloc.block_table.get(victim)
+                if armed[0] and num_blocks > 0 and asking.get("rid") == thief and vt:
+                    armed[0] = False
+                    return [vt[0], *orig(index, num_blocks - 1)]
+                return list(orig(index, num_blocks))
+            return get_free_blocks
+
+        wrap_instance(alloc, "allocate_cache_to_request", make_alloc)
+        wrap_instance(pool, "get_free_blocks", make_get)
+    return inject
+
+
+@pytest.mark.parametrize("fingerprint", ["all", "none"])
+def test_use_after_free_block_reuse(llama: Any, fingerprint: str) -> None:
+    """r1 is handed r0's still-referenced first block and writes positions 0..2 into it.
+
+    With fingerprints, r0's TAIL of that very forward sees its KV changed under intact records; without, r1's
+    records break r0's chain at position 3 at r0's next HEAD.
+    """
+    with kt.install(llama, raise_config(fingerprint=fingerprint)):
+        err = expect_violation(lambda: run_manager(llama, distinct_prompts(), max_batch_tokens=24,
+                                                   inject=reuse_live_block(victim="r0", thief="r1")))
+    assert err.request_ids == ["r0"]
+    if fingerprint == "all":
+        assert tags(err.violations) == {LaunchTag.TAIL_K_FULL, LaunchTag.TAIL_V_FULL}
+        assert {v.position for v in err.violations} == {0, 1, 2}
+        assert all(v.reasons == FailReason.VERIFY_FINGERPRINT for v in err.violations)
+    else:
+        assert LaunchTag.HEAD_K_FULL in tags(err.violations)
+        assert all(v.reasons & VERIFY_ANY for v in err.violations)
+        assert any(v.position == 3 and v.reasons & FailReason.VERIFY_CHAIN for v in err.violations)
+
+
+def test_swap_two_requests_blocks(llama: Any) -> None:
+    """Swap the first blocks of two live requests: both read the other's KV; both are reported."""
+    done: list[bool] = []
+
+    def inject(proc: Any) -> None:
+        alloc = full_alloc(proc)
+
+        def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def prepare_batch_tensors(*a: Any, **k: Any) -> Any:
+                batch = k["requests_in_batch"]
+                if not done and len(batch) == 2 and all(fs.state.position_offset >= PAGE for fs in batch):
+                    t0, t1 = (alloc.block_table[fs.state.request_id] for fs in batch)
+                    t0[0], t1[0] = t1[0], t0[0]
+                    done.append(True)
+                return orig(*a, **k)
+            return prepare_batch_tensors
+        wrap_instance(proc.inputs_and_outputs, "prepare_batch_tensors", make)
+
+    with kt.install(llama, raise_config()):
+        err = expect_violation(lambda: run_manager(llama, distinct_prompts(), inject=inject))
+    assert done and sorted(err.request_ids) == ["r0", "r1"]
+    assert all(v.reasons & VERIFY_ANY for v in err.violations)
+    # the swapped block itself is a self-consistent chain: the break shows at the first position after it
+    assert {(v.request_id, v.position) for v in err.violations if v.reasons & FailReason.VERIFY_CHAIN} >= \
+        {("r0", PAGE), ("r1", PAGE)}
+
+
+def test_raise_surfaces_from_generate_batch(llama: Any, prompts: list[list[int]],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A violation in the generation thread (which transformers swallows) is raised by generate_batch itself."""
+    orig_view = kt.HFPoolAdapter.batch_view
+    calls = [0]
+
+    def corrupt_view(self: kt.HFPoolAdapter, io: Any, reqs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:  # a decode step: damage the newest record of request 0 through the slot table
+            alloc = self.alloc
+            rid = reqs[0].request_id
+            slot = alloc.block_table[rid][0] * alloc.block_physical_stride + 1
+            alloc._kv_token_views[0][0][slot].zero_()
+        return orig_view(self, io, reqs)
+
+    monkeypatch.setattr(kt.HFPoolAdapter, "batch_view", corrupt_view)
+    with kt.install(llama, raise_config()) as handle:
+        with pytest.raises(CanaryViolationError) as info:
+            generate(llama, prompts[:2], max_new_tokens=5)
+    assert info.value is handle.errors[0]
+    assert {v.tag for v in info.value.violations} == {LaunchTag.TAIL_K_FULL}
+    assert all(v.reasons == FailReason.VERIFY_FINGERPRINT and v.position == 1 for v in info.value.violations)
+
+
+# ------------------------------------------------------------------------------------------------- install / refusals
+
+
+def test_version_gate(llama: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.22.0")
+    with pytest.raises(kt.TransformersIntegrationError, match="5.23.0"):
+        kt.install(llama, raise_config())
+    assert no_wrappers_left(llama)
+
+
+@pytest.mark.parametrize("over", [{"use_async_batching": True}, {"cpu_offload_space": 1.0}])
+def test_refuses_unguardable_configs(llama: Any, over: dict[str, Any]) -> None:
+    with kt.install(llama, raise_config()):
+        with pytest.raises(kt.TransformersIntegrationError, match=next(iter(over))):
+            llama.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config(**over))
+    assert no_wrappers_left(llama)
+
+
+def test_mode_none_installs_nothing(llama: Any) -> None:
+    handle = kt.install(llama, CanaryConfig(mode="none"))
+    assert not handle.installed and no_wrappers_left(llama)
+    handle.uninstall()
+
+
+def test_uninstall_refused_while_running_and_restores_exactly(llama: Any) -> None:
+    mgr = llama.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
+    sentinel = object()
+    mgr.get_result_marker = sentinel  # unrelated instance attributes survive
+    handle = kt.install(mgr, raise_config())
+    mgr.start()
+    try:
+        with pytest.raises(kt.TransformersIntegrationError, match="stop"):
+            handle.uninstall()
+    finally:
+        mgr.stop(block=True)
+    handle.uninstall()
+    mgr.destroy()
+    assert no_wrappers_left(mgr) and mgr.get_result_marker is sentinel
+
+
+def test_history_sequence() -> None:
+    h = kt._History([1, 2, 3], [4, 5])
+    assert len(h) == 5 and list(h) == [1, 2, 3, 4, 5] and h[-1] == 5 and h[3] == 4
+    assert h[1:4] == [2, 3, 4] and h[0:2] == [1, 2] and h[3:5] == [4, 5] and h[::2] == [1, 3, 5] and h[4:2] == []
+
+
+def test_dense_slots(llama: Any) -> None:
+    """Sparse transformers rows -> dense slots: token rows map 1:1, V/other-layer rows and negatives to NO_SLOT."""
+    mgr = llama.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
+    handle = kt.install(mgr, raise_config())
+    mgr.warmup()
+    try:
+        (session,) = list(handle.iter_sessions())
+        ad = session.adapter
+        stride = ad.stride
+        assert stride == 2 * PAGE * 2 and ad.num_slots == ad.total_blocks * PAGE
+        s = torch.tensor([0, 5, stride + 15, stride + 16, 7 * stride + 3, -1, 3 * stride - 1])
+        assert ad.dense(s).tolist() == [0, 5, PAGE + 15, -1, 7 * PAGE + 3, -1, -1]
+    finally:
+        handle.uninstall()
+        mgr.destroy()
