@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvcanary_schema import Group
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from kvcanary.adapter import BatchView, GroupSpec, PoolDescription
 from kvcanary.config import CanaryConfig
 from kvcanary.manager import CanaryManager, install
+from kvcanary_schema import Group
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _SYNC = ("_local_scalar_dense", "item", "nonzero", "_to_copy")
 _VIEWS = {"slice", "select", "view", "as_strided", "alias", "narrow", "expand", "unsqueeze", "squeeze", "t",

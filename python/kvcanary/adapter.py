@@ -39,7 +39,8 @@ class GroupSpec:
         if self.halves not in (1, 2):
             raise CanaryInputError(f"{name}: halves must be 1 (K only) or 2 (K and V), got {self.halves}")
         if not 0 <= self.reserved_slots <= self.num_slots:
-            raise CanaryInputError(f"{name}: reserved_slots must be in [0, {self.num_slots}], got {self.reserved_slots}")
+            raise CanaryInputError(f"{name}: reserved_slots must be in [0, {self.num_slots}], "
+                                   f"got {self.reserved_slots}")
         if self.group == Group.SWA:
             if self.swa_map is None:
                 raise CanaryInputError(f"{name}: an SWA group needs swa_map (table slot -> SWA slot)")
@@ -55,7 +56,8 @@ class GroupSpec:
             if self.window != 0:
                 raise CanaryInputError(f"{name}: window is only for SWA groups, got {self.window}")
             if self.num_slots != table_slots:
-                raise CanaryInputError(f"{name}: a FULL group has the table's {table_slots} slots, got {self.num_slots}")
+                raise CanaryInputError(f"{name}: a FULL group has the table's {table_slots} slots, "
+                                       f"got {self.num_slots}")
         if self.sources is not None:
             if len(self.sources) != self.halves:
                 raise CanaryInputError(f"{name}: sources must list {self.halves} halves, got {len(self.sources)}")
@@ -66,7 +68,8 @@ class GroupSpec:
                     if not isinstance(spec, SourceSpec):
                         raise CanaryInputError(f"{name}: sources[{h}][{j}] must be a SourceSpec")
                     if spec.tensor.device != device:
-                        raise CanaryInputError(f"{name}: sources[{h}][{j}] is on {spec.tensor.device}, pool on {device}")
+                        raise CanaryInputError(f"{name}: sources[{h}][{j}] is on {spec.tensor.device}, "
+                                               f"pool on {device}")
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,8 @@ class BatchView:
                          shape=(bs,))
         n = self.num_tokens
         if n > token_capacity:
-            raise CanaryInputError(f"batch has {n} tokens, the canary was installed for token_capacity={token_capacity}")
+            raise CanaryInputError(f"batch has {n} tokens, the canary was installed for "
+                                   f"token_capacity={token_capacity}")
         for name in ("input_ids", "positions", "out_cache_loc"):
             check_tensor(getattr(self, name), f"batch.{name}", dtype=_INDEX_DTYPES, ndim=1, device=device, shape=(n,))
         check_tensor(self.req_to_token, "batch.req_to_token", dtype=_INDEX_DTYPES, ndim=2, device=device,

@@ -39,7 +39,7 @@ TOKEN_TRUTH_FAULTS: dict[str, str] = {
 # real-KV corruption (fingerprints), torn transfers of part of a chain (chain links / positions).
 
 
-class CanaryMode(str, enum.Enum):
+class CanaryMode(enum.StrEnum):
     """What happens on a violation: nothing installed, log it, or raise CanaryViolationError."""
 
     NONE = "none"
@@ -47,7 +47,7 @@ class CanaryMode(str, enum.Enum):
     RAISE = "raise"
 
 
-class LayerCoverage(str, enum.Enum):
+class LayerCoverage(enum.StrEnum):
     """Which fingerprint sources (layers) are hashed: the first, all, or every ``layer_stride``-th."""
 
     FIRST = "first"
@@ -55,14 +55,14 @@ class LayerCoverage(str, enum.Enum):
     SAMPLE = "sample"
 
 
-class CoveragePolicy(str, enum.Enum):
+class CoveragePolicy(enum.StrEnum):
     """Which prefix slots each forward verifies (DESIGN 5)."""
 
     FULL = "full"
     WINDOW = "window"
 
 
-class PerturbMode(str, enum.Enum):
+class PerturbMode(enum.StrEnum):
     """Self-test corruptions (kvcanary.perturb); each maps to the check that must catch it."""
 
     REQ_TO_TOKEN = "req_to_token"

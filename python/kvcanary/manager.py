@@ -16,7 +16,6 @@ from kvcanary_schema import (
     NUM_PLAN_STATUS_COLS,
     NUM_VIOLATION_COLS,
     CounterCol,
-    Group,
     Half,
     LaunchTag,
     PlanCol,
@@ -64,7 +63,7 @@ class CanaryBracketError(KVCanaryError, RuntimeError):
     """The forward bracket was misused (nested, out of order, or a replay that does not match a capture)."""
 
 
-class ForwardKind(str, enum.Enum):
+class ForwardKind(enum.StrEnum):
     """How the device parts of a bracket run: eagerly, being captured into a CUDA graph, or replayed by one."""
 
     EAGER = "eager"
@@ -423,7 +422,7 @@ class CanaryManager:
         for j, dst in enumerate((st.expect_prefix, st.expect_new, st.flag_mask, st.stripe_end)):
             dst[:bs].copy_(host[j, :bs], non_blocking=True)
         if self.device.type == "cuda":
-            e = torch.cuda.Event()
+            e = torch.cuda.Event()  # type: ignore[no-untyped-call]
             e.record()
             self._upload_events[k] = e
         if pool_req:
@@ -529,7 +528,7 @@ class CanaryManager:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 self._snap_host[k].copy_(snap, non_blocking=True)
-                e = torch.cuda.Event()
+                e = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 e.record(stream)
             self._snap_events[k] = e
         else:
@@ -545,7 +544,7 @@ class CanaryManager:
             p = self._pending[0]
             ev = self._snap_events[p.index]
             if isinstance(ev, torch.cuda.Event):
-                if not block and not ev.query():
+                if not block and not ev.query():  # type: ignore[no-untyped-call]
                     break
                 ev.synchronize()
             self._pending.popleft()

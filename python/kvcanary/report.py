@@ -62,12 +62,12 @@ class Violation:
 
     def line(self) -> str:
         """One key=value log line."""
-        return ("kvcanary violation: tag=%s reasons=%s slot=%d position=%d stored_position=%d request=%s row=%d "
-                "stored_token=%d expected_token=%d stored_hash=0x%016x expected_hash=0x%016x stored_fp=0x%016x "
-                "expected_fp=0x%016x step=%d") % (
-            self.tag.name, "+".join(reason_names(int(self.reasons))), self.slot, self.position, self.stored_position,
-            self.request_id, self.req_row, self.stored_token, self.expected_token, self.stored_hash,
-            self.expected_hash, self.stored_fp, self.expected_fp, self.step)
+        return (f"kvcanary violation: tag={self.tag.name} reasons={'+'.join(reason_names(int(self.reasons)))} "
+                f"slot={self.slot} position={self.position} stored_position={self.stored_position} "
+                f"request={self.request_id} row={self.req_row} stored_token={self.stored_token} "
+                f"expected_token={self.expected_token} stored_hash=0x{self.stored_hash:016x} "
+                f"expected_hash=0x{self.expected_hash:016x} stored_fp=0x{self.stored_fp:016x} "
+                f"expected_fp=0x{self.expected_fp:016x} step={self.step}")
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ class CanaryState:
         pin = d.type == "cuda"
         self.staging = [self._staging(pin) for _ in range(2)]
         self.upload = [torch.zeros(4, rc, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.stream = torch.cuda.Stream(device=d) if d.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device=d) if d.type == "cuda" else None  # type: ignore[no-untyped-call]
 
     def _group(self, spec: GroupSpec) -> GroupState:
         d, cfg = self.device, self.config

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from kvcanary_schema import NO_SLOT, Group
-
 from kvcanary.adapter import BatchView, GroupSpec, PoolDescription, PrefixCacheExport
 from kvcanary.ops.types import SourceSpec
+from kvcanary_schema import NO_SLOT, Group
 
 
 @dataclass

@@ -11,7 +11,8 @@ from kvcanary.report import Violation, WindowReport
 from .fake_engine import FakeEngine
 
 
-def setup(n_reqs: int = 3, prompt_len: int = 5, engine: FakeEngine | None = None, **cfg: Any) -> tuple[FakeEngine, CanaryManager]:
+def setup(n_reqs: int = 3, prompt_len: int = 5, engine: FakeEngine | None = None,
+          **cfg: Any) -> tuple[FakeEngine, CanaryManager]:
     """An engine with ``n_reqs`` requests of distinct prompts and an installed manager."""
     eng = engine if engine is not None else FakeEngine()
     cfg.setdefault("stats_interval", 0)

@@ -6,10 +6,9 @@ import dataclasses
 
 import pytest
 import torch
-from kvcanary_schema import Group
-
 from kvcanary.adapter import GroupSpec, PoolDescription, PrefixCacheExport, check_transfer_buffers, copy_transfer
 from kvcanary.errors import CanaryInputError
+from kvcanary_schema import Group
 
 from .fake_engine import FakeEngine
 

@@ -6,11 +6,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from kvcanary.config import CanaryConfig
 from kvcanary.errors import BackendUnavailableError
 from kvcanary.manager import CanaryBracketError, install
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .fake_engine import FakeEngine
 from .helpers import run, setup, step, total

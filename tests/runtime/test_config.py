@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kvcanary_schema import DEFAULT_RING_CAPACITY, FingerprintMode, TokenTruth
-
 from kvcanary.config import CanaryConfig, CanaryMode, CoveragePolicy, LayerCoverage, PerturbConfig, PerturbMode
 from kvcanary.errors import CanaryInputError
+from kvcanary_schema import DEFAULT_RING_CAPACITY, FingerprintMode, TokenTruth
 
 
 def test_defaults() -> None:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcanary_schema import RecordField
-
 from kvcanary.config import CanaryConfig
 from kvcanary.manager import CanaryManager, install
+from kvcanary_schema import RecordField
 
 from .fake_engine import FakeEngine
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import pytest
-from kvcanary_schema import Stage
-
 import kvcanary.manager as manager_mod
+import pytest
 from kvcanary.health import CanaryHealthError
+from kvcanary_schema import Stage
 
 from .helpers import run, setup, step
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcanary_schema import FailReason, Stage
-
 from kvcanary.adapter import copy_transfer
 from kvcanary.config import CanaryConfig, PerturbConfig, PerturbMode
 from kvcanary.errors import CanaryInputError
 from kvcanary.manager import install
 from kvcanary.perturb import EXPECTED
+from kvcanary_schema import FailReason, Stage
 
 from .fake_engine import FakeEngine
 from .helpers import run, setup, step, total, violations

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvcanary_schema import FailReason, LaunchTag, RecordField
-
 from kvcanary.report import CanaryViolationError, WindowReport
+from kvcanary_schema import FailReason, LaunchTag, RecordField
 
 from .fake_engine import FakeEngine
 from .helpers import run, setup, step

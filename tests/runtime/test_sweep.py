@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from kvcanary_schema import FailReason, RecordField, Stage
-
 from kvcanary.config import CanaryConfig
 from kvcanary.manager import install
 from kvcanary.sweep import Sweeper
+from kvcanary_schema import FailReason, RecordField, Stage
 
 from .fake_engine import FakeEngine
 from .helpers import run, setup, step, total, violations

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from kvcanary_schema import FailReason
-
 from kvcanary.adapter import BatchView, PoolDescription
 from kvcanary.config import TOKEN_TRUTH_FAULTS, CanaryConfig, PerturbConfig, PerturbMode
 from kvcanary.manager import install
+from kvcanary_schema import FailReason
 
 from .fake_engine import FakeEngine, kv_value
-from .helpers import run, setup, step, total, violations
+from .helpers import run, setup, total, violations
 
 
 @pytest.mark.parametrize("truth", ["chain", "pool", "off"])

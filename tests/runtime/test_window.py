@@ -52,7 +52,8 @@ def test_static_prefix_bound_is_one_pass() -> None:
             m.end_forward()
         slot = int(eng.req_to_token[r.row, index])
         m.state.groups[0].head.records[slot, 0, RecordField.POSITION] += 9
-        for n in range(1, 50):
+        n = 0
+        for n in range(1, 50):  # noqa: B007 - n is read after the loop
             m.begin_forward(_frozen(eng))
             m.pre_forward()
             m.post_forward()

@@ -1,4 +1,4 @@
-"""Seeded self-test perturbations: each corrupts one thing and names the check (FailReason, stage) that must catch it."""
+"""Seeded self-test perturbations: each corrupts one thing and names the check (FailReason, stage) catching it."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ class PerturbEvent:
     def describe(self) -> str:
         """One log line."""
         kv = " ".join(f"{k}={v}" for k, v in self.detail.items())
-        return f"kvcanary perturb {self.mode.value}: step={self.step} {kv} -> expect {self.reason.name} @ {self.tag.name}"
+        return (f"kvcanary perturb {self.mode.value}: step={self.step} {kv} -> expect {self.reason.name} "
+                f"@ {self.tag.name}")
 
 
 class Perturber:
@@ -116,7 +117,8 @@ class Perturber:
         if not self.config.enabled:
             return out
         actions = [(PerturbMode.REQ_TO_TOKEN, self.req_to_token), (PerturbMode.REAL_KV_USED, self.real_kv_used),
-                   (PerturbMode.MULTI_BIT_FLIP, self.multi_bit_flip), (PerturbMode.NEXT_TOKEN_SWAP, self.next_token_swap),
+                   (PerturbMode.MULTI_BIT_FLIP, self.multi_bit_flip),
+                   (PerturbMode.NEXT_TOKEN_SWAP, self.next_token_swap),
                    (PerturbMode.SLOT_SWAP, self.slot_swap), (PerturbMode.USE_AFTER_FREE, self.use_after_free),
                    (PerturbMode.RECORD_FLIP, self.record_flip)]
         for mode, fn in actions:
@@ -314,7 +316,8 @@ class Perturber:
 
     @staticmethod
     def _with_prefix(batch: BatchView) -> list[int]:
-        return [i for i in range(batch.batch_size) if batch.request_ids[i] is not None and batch.prefix_lens_host[i] > 0]
+        return [i for i in range(batch.batch_size)
+                if batch.request_ids[i] is not None and batch.prefix_lens_host[i] > 0]
 
     def _first_group(self) -> Group:
         return self.state.groups[0].spec.group
