@@ -6,6 +6,7 @@
 #include <tvm/ffi/function.h>
 
 #include "core/write.cuh"
+#include "cuda/block_scan.cuh"
 #include "cuda/cuda_common.cuh"
 
 namespace kvcanary {
@@ -75,19 +76,26 @@ __device__ __forceinline__ WriteCarry block_reduce_prefix(const WriteArgs& a, co
   return total;
 }
 
-// The last segment with WRITE_BEGIN <= k in [lo, hi] (-1 when none).
-__device__ __forceinline__ int64_t segment_of_token(const int64_t* plan, int64_t lo, int64_t hi, int64_t k) {
-  int64_t found = -1;
-  while (lo <= hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (plan[mid * kNumPlanCols + col(PlanCol::WRITE_BEGIN)] <= k) {
-      found = mid;
-      lo = mid + 1;
-    } else {
-      hi = mid - 1;
-    }
+// Entries a segment contributes to the dense write-entry space: WRITE_LEN when its range is valid, else 0 (a
+// range error is reported once by block 0 and nothing is written).
+__device__ __forceinline__ int64_t segment_entries(const WriteArgs& a, const int64_t* row) {
+  const int64_t len = plan_at(row, PlanCol::WRITE_LEN);
+  return len > 0 && write_range_ok(a, row) ? len : 0;
+}
+
+// Block-wide inclusive max-scan of one int64 per thread.
+__device__ __forceinline__ int64_t block_max_scan(int64_t v, int64_t* smem /* kWarpsPerBlock */) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int d = 1; d < kWarp; d <<= 1) {
+    const int64_t y = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d && y > v) v = y;
   }
-  return found;
+  __syncthreads();
+  if (lane == kWarp - 1) smem[warp] = v;
+  __syncthreads();
+  for (int w = 0; w < warp; ++w) v = smem[w] > v ? smem[w] : v;
+  return v;
 }
 
 struct Item {
@@ -98,15 +106,15 @@ struct Item {
 template <int kItems, bool kFp>
 __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64_t tile) {
   __shared__ ScanShared sh;
-  __shared__ int64_t s_seg[2];
+  __shared__ BlockSumScratch<kWriteThreads, 1> sh_sum;
+  __shared__ int64_t s_mark[kWriteThreads * kItems];     // segment whose first in-tile entry is here, -1 = none
+  __shared__ int64_t s_first_j[kWriteThreads * kItems];  // that entry's index inside its segment
   __shared__ int64_t s_reduce[kWarpsPerBlock];
   __shared__ uint64_t s_fp[kFp ? kWriteThreads : 1][MAX_HALVES];
   __shared__ int64_t s_fp_slot[kFp ? kWriteThreads : 1];
   __shared__ int64_t s_fp_pos[kFp ? kWriteThreads : 1];
 
   const int64_t nseg = write_num_segments(a);
-  const int64_t tile_start = static_cast<int64_t>(blockIdx.x) * tile;
-  const int64_t tile_end = tile_start + tile < a.num_tokens ? tile_start + tile : a.num_tokens;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
 
   // Whole-segment range errors and the per-call run counters: block 0 only.
@@ -122,54 +130,84 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     }
   }
 
-  if (threadIdx.x == 0) s_seg[0] = segment_of_token(a.plan, 0, nseg - 1, tile_start);
-  if (threadIdx.x == 1) s_seg[1] = segment_of_token(a.plan, 0, nseg - 1, tile_end - 1);
-  __syncthreads();
-  const int64_t seg_lo = s_seg[0] < 0 ? 0 : s_seg[0], seg_hi = s_seg[1];
+  // Dense entry space: segment s owns entries [off_s, off_s + entries_s). Each thread sums a chunk of segments.
+  const int64_t chunk = (nseg + kWriteThreads - 1) / kWriteThreads;
+  const int64_t c_lo = threadIdx.x * chunk, c_hi = c_lo + chunk < nseg ? c_lo + chunk : nseg;
+  int64_t chunk_off[1] = {0}, total_arr[1];
+  for (int64_t s = c_lo; s < c_hi; ++s) chunk_off[0] += segment_entries(a, a.plan + s * kNumPlanCols);
+  block_exclusive_sum<kWriteThreads, 1>(chunk_off, total_arr, sh_sum);
+  const int64_t total = total_arr[0];
 
-  // Load this thread's tokens (kItems consecutive) and their carries.
-  Item it[kItems];
-  ScanElem local = scan_identity();
-  ScanElem pre_item[kItems];  // inclusive within the thread, before composing earlier threads
+  WriteTally tally[MAX_HALVES] = {{0, 0, 0}, {0, 0, 0}};
+  for (int64_t tile_start = static_cast<int64_t>(blockIdx.x) * tile; tile_start < total;
+       tile_start += static_cast<int64_t>(gridDim.x) * tile) {
+    const int64_t tile_end = tile_start + tile < total ? tile_start + tile : total;
+    // Mark the first in-tile position of every segment overlapping the tile.
+    for (int64_t p = threadIdx.x; p < tile; p += kWriteThreads) s_mark[p] = -1;
+    __syncthreads();
+    int64_t off = chunk_off[0];
+    for (int64_t s = c_lo; s < c_hi && off < tile_end; ++s) {
+      const int64_t n = segment_entries(a, a.plan + s * kNumPlanCols);
+      if (n > 0 && off + n > tile_start) {
+        const int64_t first = off > tile_start ? off : tile_start;
+        s_mark[first - tile_start] = s;
+        s_first_j[first - tile_start] = first - off;
+      }
+      off += n;
+    }
+    __syncthreads();
+
+    // Load this thread's entries (kItems consecutive positions) and their carries.
+    int64_t mark_pos = -1;
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const int64_t k = tile_start + static_cast<int64_t>(threadIdx.x) * kItems + i;
-    it[i].row = nullptr;
-    ScanElem x{true, write_carry_identity()};
-    if (k < tile_end && seg_hi >= 0) {
-      const int64_t s = segment_of_token(a.plan, seg_lo, seg_hi, k);
-      if (s >= 0) {
-        const int64_t* row = a.plan + s * kNumPlanCols;
-        const int64_t j = k - plan_at(row, PlanCol::WRITE_BEGIN);
-        if (j < plan_at(row, PlanCol::WRITE_LEN) && write_range_ok(a, row)) {
+    for (int i = 0; i < kItems; ++i) {
+      const int64_t p = static_cast<int64_t>(threadIdx.x) * kItems + i;
+      if (p < tile && s_mark[p] >= 0) mark_pos = p;
+    }
+    const int64_t mark_incl = block_max_scan(mark_pos, s_reduce);
+    int64_t mark_before = __shfl_up_sync(0xffffffffu, mark_incl, 1);
+    __syncthreads();
+    if (lane == kWarp - 1) s_reduce[warp] = mark_incl;
+    __syncthreads();
+    if (lane == 0) mark_before = warp > 0 ? s_reduce[warp - 1] : -1;
+    __syncthreads();
+
+    Item it[kItems];
+    ScanElem local = scan_identity();
+    ScanElem pre_item[kItems];  // inclusive within the thread, before composing earlier threads
+    int64_t cur = mark_before;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int64_t p = static_cast<int64_t>(threadIdx.x) * kItems + i;
+      it[i].row = nullptr;
+      ScanElem x{true, write_carry_identity()};
+      if (p < tile && tile_start + p < tile_end) {
+        if (s_mark[p] >= 0) cur = p;
+        if (cur >= 0) {
+          const int64_t* row = a.plan + s_mark[cur] * kNumPlanCols;
+          const int64_t j = s_first_j[cur] + (p - cur);
           it[i].row = row;
           it[i].e = write_entry_load(a, row, j);
           x = ScanElem{j == 0, write_entry_carry(it[i].e)};
         }
       }
+      local = scan_op(local, x);
+      pre_item[i] = local;
     }
-    local = scan_op(local, x);
-    pre_item[i] = local;
-  }
-  // Block scan of the per-thread totals; the exclusive prefix of this thread is the previous thread's inclusive.
-  const ScanElem inc = block_segmented_scan(local, sh);
-  ScanElem excl_thread = shfl_up_elem(inc, 1);
-  __syncthreads();
-  if (lane == kWarp - 1) sh.warp_total[warp] = inc;
-  __syncthreads();
-  if (lane == 0) excl_thread = warp > 0 ? sh.warp_total[warp - 1] : scan_identity();
-  __syncthreads();
+    // Block scan of the per-thread totals; the exclusive prefix of this thread is the previous thread's inclusive.
+    const ScanElem inc = block_segmented_scan(local, sh);
+    ScanElem excl_thread = shfl_up_elem(inc, 1);
+    __syncthreads();
+    if (lane == kWarp - 1) sh.warp_total[warp] = inc;
+    __syncthreads();
+    if (lane == 0) excl_thread = warp > 0 ? sh.warp_total[warp - 1] : scan_identity();
+    __syncthreads();
 
-  // The tile's first segment may have started in an earlier tile: fold its earlier entries (block-uniform branch).
-  WriteCarry carry_in = write_carry_identity();
-  const int64_t* first_row = s_seg[0] >= 0 ? a.plan + s_seg[0] * kNumPlanCols : nullptr;
-  int64_t first_j = 0;
-  if (first_row != nullptr && write_range_ok(a, first_row)) {
-    first_j = tile_start - plan_at(first_row, PlanCol::WRITE_BEGIN);
-    if (first_j > 0 && first_j < plan_at(first_row, PlanCol::WRITE_LEN)) {
-      carry_in = block_reduce_prefix(a, first_row, first_j, sh);
-    }
-  }
+    // The tile's first segment may have started in an earlier tile: fold its earlier entries (block-uniform).
+    WriteCarry carry_in = write_carry_identity();
+    const int64_t* first_row = a.plan + s_mark[0] * kNumPlanCols;  // position 0 is always marked
+    const int64_t first_j = s_first_j[0];
+    if (first_j > 0) carry_in = block_reduce_prefix(a, first_row, first_j, sh);
 
   // Exclusive carry of each item: earlier items of the thread, earlier threads, and carry_in when the item's run
   // reaches back to the tile start (then it is the tile's first segment, which began in an earlier tile).
@@ -184,7 +222,6 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     incl[i] = write_carry_compose(ex, it[i].row != nullptr ? write_entry_carry(it[i].e) : write_carry_identity());
   }
 
-  WriteTally tally[MAX_HALVES] = {{0, 0, 0}, {0, 0, 0}};
   if constexpr (kFp) {
     // kItems == 1: thread t holds tile token t. Warps fingerprint the tile's written rows round-robin.
     const bool want = it[0].row != nullptr && it[0].e.kind == WriteKind::kWrite;
@@ -232,6 +269,8 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
       }
     }
   }
+  __syncthreads();
+  }  // tile loop
   for (int64_t h = 0; h < a.halves; ++h) {
     const int64_t base = a.tags[h] * kNumCounterCols;
     block_count<kWriteThreads>(&a.sink.counters[base + col(CounterCol::ENTRIES_WRITTEN)], tally[h].written, s_reduce);
