@@ -86,7 +86,7 @@ def test_sliding_window(swa_cfg: ModelConfig) -> None:
 
 
 class _SwaResidency(ShadowChecker):
-    """Also checks that the last `window` prefix positions of every target row are SWA-resident."""
+    """Also checks that the last window - 1 prefix positions of every target row are SWA-resident."""
 
     def __init__(self, window: int) -> None:
         super().__init__(1024)
@@ -101,11 +101,11 @@ class _SwaResidency(ShadowChecker):
         table, smap = batch.req_to_token.cpu(), self.engine.swa.device_map.cpu()
         for i in range(batch.real_batch_size):
             pre = batch.prefix_lens_host[i]
-            slots = table[batch.req_pool_indices_host[i], max(0, pre - self.window):pre]
+            slots = table[batch.req_pool_indices_host[i], max(0, pre - self.window + 1):pre]
             self.missing += int((smap[slots] < 0).sum())
 
 
-def test_sliding_window_keeps_last_window_resident(swa_cfg: ModelConfig) -> None:
+def test_sliding_window_keeps_needed_positions_resident(swa_cfg: ModelConfig) -> None:
     reqs = make_requests(4, shared=10, prompt_len=18, new=12)
     hooks = _SwaResidency(swa_cfg.sliding_window)
     engine = Engine(EngineConfig(chunk_size=5, num_swa_slots=128, spec_num_draft=2), swa_cfg,

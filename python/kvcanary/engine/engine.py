@@ -272,14 +272,14 @@ class Engine:
                 raise PoolExhaustedError("SWA pool exhausted")
 
     def _release_window(self, state: ReqState) -> None:
-        """Free SWA slots of own positions older than the last `window` positions of the prefix.
+        """Free SWA slots of own positions that left the window of every future query.
 
-        Attention needs only the last window - 1 prefix positions; keeping `window` of them makes the
-        resident range equal to the range an integrity checker verifies for an SWA group.
+        A query at position q attends to [q - window + 1, q], so the last window - 1 prefix positions
+        stay resident (a checker verifying `window` positions sees the oldest one as evicted).
         """
         if self.swa is None:
             return
-        upto = state.kv_len - self.models.target.config.sliding_window
+        upto = state.kv_len - self.models.target.config.sliding_window + 1
         lo = max(state.swa_freed_upto, state.cached_len)
         if upto > lo:
             self.swa.release([self._slot(state, p) for p in range(lo, upto)])
@@ -344,13 +344,13 @@ class Engine:
         return [tokens[p] * vocab + tokens[p + 1] for p in range(length)]
 
     def _swa_usable(self, slots: torch.Tensor, limit: int) -> int:
-        """Longest page-aligned prefix <= limit whose last `window` positions are SWA-resident."""
+        """Longest page-aligned prefix <= limit whose last window - 1 positions are SWA-resident."""
         if self.swa is None or limit <= 0:
             return limit
         window, size = self.models.target.config.sliding_window, self.config.page_size
         resident = self.swa.resident(slots[:limit])
         for usable in range(limit, 0, -size):
-            if bool(resident[max(0, usable - window):usable].all()):
+            if bool(resident[max(0, usable - window + 1):usable].all()):
                 return usable
         return 0
 
