@@ -67,12 +67,12 @@ class Health:
         """Add a whole [NUM_LAUNCH_TAGS, 2] table of (verify, write) launches (one forward's)."""
         self.expected += runs
 
-    def check(self, counters: torch.Tensor, phase: torch.Tensor, plan_status: torch.Tensor, dropped: int,
+    def check(self, counters: list[list[int]], phase: list[int], plan_status: list[list[int]], dropped: int,
               capacity: int) -> list[HealthProblem]:
-        """Check one staged snapshot (host tensors) against the expectations at staging time."""
+        """Check one staged snapshot (host values) against the expectations at staging time."""
         found: list[HealthProblem] = []
         if self.watchdog:
-            runs = counters[:, [CounterCol.VERIFY_RUNS, CounterCol.WRITE_RUNS]].tolist()
+            runs = [[row[CounterCol.VERIFY_RUNS], row[CounterCol.WRITE_RUNS]] for row in counters]
             want = self.expected.tolist()
             short = [t for t in range(NUM_LAUNCH_TAGS) if runs[t][0] < want[t][0] or runs[t][1] < want[t][1]]
             if short:
@@ -80,12 +80,12 @@ class Health:
                 found.append(HealthProblem("watchdog", (
                     f"kvcanary: kernel runs behind for tags {names}: device verify/write runs "
                     f"{[runs[t] for t in short]} < launched {[want[t] for t in short]}; a canary launch was skipped")))
-            p0, p1 = phase.tolist()
+            p0, p1 = phase
             if (p0, p1) != (self.expected_forwards, self.expected_forwards):
                 found.append(HealthProblem("phase", (
                     f"kvcanary: phase check failed: pre={p0} post={p1} device brackets, {self.expected_forwards} "
                     f"forwards on the host; a forward (or a replayed graph) ran without the canary ops")))
-        status = plan_status.tolist()
+        status = plan_status
         if max(row[PlanStatusCol.OVERFLOW] for row in status) > 0:
             found.append(HealthProblem("overflow", (
                 "kvcanary: a batch claimed more tokens than it has (plan OVERFLOW); those requests were not checked")))
@@ -100,12 +100,13 @@ class Health:
         self.problems.extend(found)
         return found
 
-    def stats(self, step: int, counters: torch.Tensor, sweeps_completed: int, violations_total: int) -> str | None:
+    def stats(self, step: int, counters: list[list[int]], sweeps_completed: int, violations_total: int) -> str | None:
         """The periodic stats line (coverage over the window, not a running sum), or None when not due."""
         if self.stats_interval == 0 or step % self.stats_interval != 0:
             return None
-        delta = counters - self.stats_counters
-        self.stats_counters = counters.clone()
+        now = torch.tensor(counters, dtype=torch.int64)
+        delta = now - self.stats_counters
+        self.stats_counters = now
         checked = int(delta[:, CounterCol.ENTRIES_CHECKED].sum())
         written = int(delta[:, CounterCol.ENTRIES_WRITTEN].sum())
         active = int((delta[:, CounterCol.VERIFY_RUNS] + delta[:, CounterCol.WRITE_RUNS] > 0).sum())

@@ -143,7 +143,7 @@ class CanaryManager:
         self._upload_index = 0
         self._upload_events: list[object | None] = [None, None]
         self._sweeps_staged = 0
-        self._last_counters = torch.zeros(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS, dtype=torch.int64)
+        self._last_counters: list[list[int]] = [[0] * NUM_COUNTER_COLS for _ in range(NUM_LAUNCH_TAGS)]
         self._violations_total = 0
         self._per_forward = self._launches_per_forward()
         n_groups = len(self.state.groups)
@@ -555,26 +555,25 @@ class CanaryManager:
     def _report(self, p: _Pending) -> WindowReport:
         cfg, st = self.config, self.state
         snap = self._snap_host[p.index]
-        o = 0
-
-        def take(n: int) -> torch.Tensor:
-            nonlocal o
-            out = snap[o:o + n]
-            o += n
-            return out
-        counters = take(_SNAP_COUNTERS).view(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS).clone()
-        ring_total = int(take(1)[0])
-        phase = take(2).clone()
-        plan_status = take(len(st.groups) * NUM_PLAN_STATUS_COLS).view(len(st.groups), NUM_PLAN_STATUS_COLS).clone()
-        rows = take(cfg.ring_capacity * NUM_VIOLATION_COLS).view(cfg.ring_capacity, NUM_VIOLATION_COLS)
-        kept = rows[:min(ring_total, cfg.ring_capacity)].clone()
-        delta = counters - self._last_counters
+        n_groups = len(st.groups)
+        head = snap[:_SNAP_COUNTERS + 3 + n_groups * NUM_PLAN_STATUS_COLS].tolist()
+        counters = [head[t * NUM_COUNTER_COLS:(t + 1) * NUM_COUNTER_COLS] for t in range(NUM_LAUNCH_TAGS)]
+        ring_total = head[_SNAP_COUNTERS]
+        phase = head[_SNAP_COUNTERS + 1:_SNAP_COUNTERS + 3]
+        o = _SNAP_COUNTERS + 3
+        plan_status = [head[o + g * NUM_PLAN_STATUS_COLS:o + (g + 1) * NUM_PLAN_STATUS_COLS] for g in range(n_groups)]
+        o += n_groups * NUM_PLAN_STATUS_COLS
+        kept_n = min(ring_total, cfg.ring_capacity)
+        kept = snap[o:o + kept_n * NUM_VIOLATION_COLS].view(kept_n, NUM_VIOLATION_COLS)
+        delta = [[c - last for c, last in zip(row, prev, strict=True)]
+                 for row, prev in zip(counters, self._last_counters, strict=True)]
         self._last_counters = counters
-        by_tag = {LaunchTag(t): int(n) for t, n in enumerate(delta[:, CounterCol.VIOLATIONS].tolist()) if n}
-        total = int(delta[:, CounterCol.VIOLATIONS].sum())
+        by_tag = {LaunchTag(t): row[CounterCol.VIOLATIONS] for t, row in enumerate(delta) if row[CounterCol.VIOLATIONS]}
+        total = sum(by_tag.values())
         self._violations_total += total
-        report = WindowReport(p.first_step, p.last_step, decode_rows(kept, self._step_batches), total, ring_total,
-                              max(0, ring_total - cfg.ring_capacity), by_tag, delta)
+        report = WindowReport(p.first_step, p.last_step, decode_rows(kept, self._step_batches) if kept_n else [],
+                              total, ring_total, max(0, ring_total - cfg.ring_capacity), by_tag,
+                              torch.tensor(delta, dtype=torch.int64))
         for s in range(p.first_step, p.last_step + 1):
             self._step_batches.pop(s, None)
         self.sweeper.completed += p.sweeps

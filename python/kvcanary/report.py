@@ -236,10 +236,11 @@ class Metrics:
             self.violations_by_tag[tag.name] += n
         self.rows_by_reason.update(report.by_reason())
         self.counters["dropped_rows"] += report.dropped
-        self.counters["input_errors"] += report.input_errors
         if report.counter_delta is not None:
-            self.counters["entries_checked"] += int(report.counter_delta[:, CounterCol.ENTRIES_CHECKED].sum())
-            self.counters["entries_written"] += int(report.counter_delta[:, CounterCol.ENTRIES_WRITTEN].sum())
+            sums = report.counter_delta.sum(0).tolist()
+            self.counters["input_errors"] += sums[CounterCol.INPUT_ERRORS]
+            self.counters["entries_checked"] += sums[CounterCol.ENTRIES_CHECKED]
+            self.counters["entries_written"] += sums[CounterCol.ENTRIES_WRITTEN]
 
     def render(self) -> str:
         """The Prometheus exposition text."""
