@@ -31,7 +31,7 @@ from kvcanary.report import Violation, reason_names
 
 Workload = Callable[[Engine, random.Random], None]
 
-TARGET_MODEL = ModelConfig(num_layers=3, sliding_layers=(1,), sliding_window=24, seed=1)
+TARGET_MODEL = ModelConfig(num_layers=3, sliding_layers=(1,), sliding_window=48, seed=1)
 DRAFT_MODEL = ModelConfig(num_layers=1, hidden=32, intermediate=64, num_heads=2, num_kv_heads=1, seed=7)
 VOCAB = TARGET_MODEL.vocab_size
 
@@ -80,9 +80,10 @@ WORKLOADS: dict[str, Workload] = {"two_turns": two_turns, "batch": batch, "retra
                                   "shared_waves": shared_waves}
 
 
-def mixed_workload(engine: Engine, rng: random.Random, num_requests: int) -> None:
+def mixed_workload(engine: Engine, rng: random.Random, num_requests: int, max_forwards: int | None = None) -> None:
     """A realistic random mix: shared system prompts (prefix reuse), long prompts (chunked prefill), short chats,
-    arrivals while others decode, occasional retracts; eviction and SWA windows come from the pool sizes."""
+    arrivals while others decode, occasional retracts; eviction and SWA windows come from the pool sizes.
+    Stops early after ``max_forwards`` forwards (target + draft) when given."""
     systems = [_prompt(rng, rng.randrange(8, 40)) for _ in range(3)]
     pending = []
     for i in range(num_requests):
@@ -90,6 +91,8 @@ def mixed_workload(engine: Engine, rng: random.Random, num_requests: int) -> Non
         pending.append(Request(f"m{i}", _prompt(rng, rng.randrange(2, 48), sys_prompt), rng.randrange(2, 24),
                                _sampling(rng)))
     while pending or engine.scheduler.running or engine.scheduler.waiting:
+        if max_forwards is not None and engine.stats.forwards + engine.stats.draft_forwards >= max_forwards:
+            return
         for _ in range(rng.randrange(0, 3)):
             if pending:
                 engine.add_request(pending.pop(0))
@@ -137,7 +140,7 @@ ENGINE_CASES: tuple[FaultCase, ...] = (
               _PER_FORWARD, (Stage.HEAD,), _R.VERIFY_TOKEN, engine_fault="wrong_prefix_hit",
               engine=(("chunk_size", 8),), expect_request="b", bound=0),
     FaultCase("use_after_free", "#2 use-after-free (cached pages handed out again)", "two_turns",
-              "chain (records invalidated on free)", _SWEEP, (Stage.SWEEP, Stage.HEAD),
+              "chain + invalidate on free", _SWEEP, (Stage.SWEEP, Stage.HEAD),
               _R.VERIFY_CHAIN | _R.VERIFY_POSITION, engine_fault="use_after_free", engine=(("chunk_size", 8),),
               bound=_SWEEP_INTERVAL),
     FaultCase("block_boundary_off_by_one", "#3 block-boundary off-by-one (write to previous page)", "batch",
@@ -148,7 +151,7 @@ ENGINE_CASES: tuple[FaultCase, ...] = (
               _PER_FORWARD, (Stage.HEAD, Stage.TAIL), _R.VERIFY_CHAIN | _R.VERIFY_POSITION | _R.VERIFY_FINGERPRINT,
               engine_fault="padding_write_live_slot", engine=(("chunk_size", 8), ("decode_pad_multiple", 4))),
     FaultCase("spec_rollback_wrong_slots", "#10 speculative rollback frees a live page", "batch",
-              "chain (records invalidated on free)", _PER_FORWARD, (Stage.HEAD,),
+              "chain + invalidate on free", _PER_FORWARD, (Stage.HEAD,),
               _R.VERIFY_CHAIN | _R.VERIFY_POSITION, engine_fault="spec_rollback_wrong_slots", engine=_SPEC, spec=True),
     FaultCase("spec_stale_draft", "#10 rejected draft slot not invalidated", "batch", "token truth",
               _PER_FORWARD, (Stage.HEAD,), _R.VERIFY_TOKEN | _R.WRITE_TOKEN, engine_fault="spec_stale_draft",
@@ -551,16 +554,24 @@ class CleanResult:
 
 
 def clean_engine_config(rng: random.Random, spec: bool) -> dict[str, Any]:
-    """A random engine geometry of the soak: page size, chunking, padding, pool pressure."""
+    """A random engine geometry of the soak: page size, chunking, padding, pool pressure (eviction, retraction)."""
     cfg: dict[str, Any] = {"page_size": rng.choice([1, 1, 2, 4]), "chunk_size": rng.choice([4, 8, 16, 32, 64]),
                            "num_slots": rng.choice([256, 384, 512, 1024]), "max_running": rng.choice([2, 4, 8]),
-                           "num_swa_slots": rng.choice([192, 256, 512]), "max_reqs": 16, "max_context": 256}
+                           "max_reqs": 16, "max_context": 256}
     if spec:
         cfg["spec_num_draft"] = rng.choice([1, 2, 3, 4])
     else:
         cfg["decode_pad_multiple"] = rng.choice([1, 1, 2, 4])
         cfg["mixed_batching"] = rng.random() < 0.3
+    cfg["num_swa_slots"] = swa_slots_needed(cfg, rng.uniform(1.0, 1.5))
     return cfg
+
+
+def swa_slots_needed(cfg: dict[str, Any], factor: float = 1.0) -> int:
+    """SWA slots for every running request's window plus a chunk (the engine raises when the SWA pool runs dry)."""
+    per_req = TARGET_MODEL.sliding_window + cfg.get("chunk_size", 64) + cfg.get("spec_num_draft", 0) + \
+        2 * cfg.get("page_size", 1)
+    return int(factor * cfg.get("max_running", 8) * per_req) + 8
 
 
 def run_clean(seed: int, num_requests: int, device: str = "cpu", backend: str = "torch", spec: bool | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -128,6 +129,7 @@ class EngineCanary:
         self.detections: list[Detection] = []
         self.log = ForwardLog()
         self.forwards = 0
+        self.seconds = 0.0  # wall time spent inside the canary's hooks (host work + CPU kernels)
         self._on_forward = on_forward
         engine.hooks = self
 
@@ -145,6 +147,7 @@ class EngineCanary:
 
     def before_forward(self, batch: ForwardBatch, pool_kind: PoolKind) -> None:
         """begin_forward (host: token truth, perturbation) and pre_forward (plan, HEAD verify + write)."""
+        t0 = time.perf_counter()
         self.forwards += 1
         self.log.pools.append(pool_kind)
         self.log.requests.append(batch.req_ids)
@@ -152,12 +155,15 @@ class EngineCanary:
         self.log.steps.append(m.forwards + 1)
         m.begin_forward(batch_view(batch))
         m.pre_forward()
+        self.seconds += time.perf_counter() - t0
 
     def after_forward(self, batch: ForwardBatch, pool_kind: PoolKind) -> None:
         """post_forward (TAIL verify + write with fingerprints) and end_forward (sweep, report)."""
+        t0 = time.perf_counter()
         m = self.managers[pool_kind]
         m.post_forward()
         self._keep(pool_kind, m.end_forward())
+        self.seconds += time.perf_counter() - t0
         if self._on_forward is not None:
             self._on_forward(self, batch, pool_kind)
 
@@ -166,6 +172,7 @@ class EngineCanary:
 
     def on_free(self, slots: torch.Tensor) -> None:
         """Invalidate the records of freed slots in every pool (FULL groups; SWA slots are freed via the map)."""
+        t0 = time.perf_counter()
         for m in self.managers.values():
             if not m.enabled:
                 continue
@@ -177,6 +184,7 @@ class EngineCanary:
                     view.records.index_fill_(0, idx, 0)
                     # position -1 never matches a planned position, so a read of the freed slot is reported
                     view.records[idx, :, RecordField.POSITION] = -1
+        self.seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ results
 
