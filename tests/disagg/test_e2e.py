@@ -47,6 +47,12 @@ def test_clean_transfer_relocates_and_decodes_identically(model: str) -> None:
     assert r["overhead"]["canary_pct_of_kv"] == round(100 * canary / kv, 3)
 
 
+def test_clean_paged_pool_variable_lengths() -> None:
+    r = run("swa", workload=Workload(REQUESTS, 5, 33, 4, seed=2), page_size=4)
+    assert len(r["ok"]) == REQUESTS and r["failed"] == {} and r["outputs_match_reference"] is True
+    assert r["prefill_violations"] == 0 and r["decode_violations"] == 0
+
+
 def test_clean_variable_lengths_without_canary() -> None:
     r = run("swa", workload=Workload(REQUESTS, 3, 30, 4, seed=1), canary=False)
     assert len(r["ok"]) == REQUESTS and r["outputs_match_reference"] is True
@@ -144,7 +150,7 @@ def test_dead_decode_peer_is_a_typed_error_not_a_hang() -> None:
     assert time.monotonic() - t0 < 15  # a closed connection is seen at once, long before the timeout
     assert r["errors"]["prefill"]["type"] == "PeerLostError"
     assert r["exitcodes"] == {"prefill": 0, "decode": 3}
-    assert set(r["failed"]) == {"req1", "req2", "req3"}
+    assert r["failed"]["req0"] == "decode role died" and set(r["failed"]) == {f"req{i}" for i in range(REQUESTS)}
 
 
 def test_dead_prefill_peer_fails_its_request_and_decode_finishes_the_rest() -> None:

@@ -19,7 +19,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], argpa
     p = argparse.ArgumentParser(prog="python -m kvcanary.disagg", description=__doc__)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--fault", choices=[f.value for f in FaultName], default="none")
+    p.add_argument("--fault", choices=[*(f.value for f in FaultName), "all"], default="none",
+                   help="'all': a campaign over every fault (per model)")
     p.add_argument("--target", type=int, default=1, help="0-based transfer index the fault hits")
     p.add_argument("--fault-seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=1, help="truncate_layers: trailing layers that never arrive")
@@ -31,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], argpa
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--backend", choices=("auto", "torch", "cpu", "cuda"), default="auto")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds any transfer step may wait for the peer")
+    p.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
+                   help="forkserver: import torch once for many runs (campaigns)")
     p.add_argument("--no-canary", action="store_true")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -38,10 +41,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], argpa
     a = p.parse_args(argv)
     lo, _, hi = a.prompt_len.partition(":")
     workload = Workload(a.requests, int(lo), int(hi or lo), a.max_new_tokens, a.seed)
-    fault = FaultSpec(FaultName(a.fault), a.target, a.fault_seed, a.layers)
-    base = LaunchConfig(device=a.device, workload=workload, fault=fault, canary=not a.no_canary, backend=a.backend,
-                        timeout_s=a.timeout, reference=not a.no_reference, page_size=a.page_size)
-    return [dataclasses.replace(base, model=m) for m in a.model], a
+    names = [f for f in FaultName if f != FaultName.NONE] if a.fault == "all" else [FaultName(a.fault)]
+    base = LaunchConfig(device=a.device, workload=workload, canary=not a.no_canary, backend=a.backend,
+                        timeout_s=a.timeout, reference=not a.no_reference, page_size=a.page_size,
+                        start_method=a.start_method)
+    return [dataclasses.replace(base, model=m, fault=FaultSpec(f, a.target, a.fault_seed, a.layers))
+            for m in a.model for f in names], a
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -60,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     cfgs, a = parse_args(argv)
     runs = [launch(cfg) for cfg in cfgs]
     result: dict[str, Any] = runs[0] if len(runs) == 1 else {"runs": runs}
+    result["command"] = " ".join(["python -m kvcanary.disagg", *(sys.argv[1:] if argv is None else argv)])
     text = json.dumps(result, indent=2, default=str)
     if a.out:
         Path(a.out).write_text(text + "\n")

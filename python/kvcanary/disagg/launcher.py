@@ -120,9 +120,12 @@ def summarize(cfg: LaunchConfig, prefill: dict[str, Any], decode: dict[str, Any]
     victims = _victims(cfg, dreq or prefill.get("requests", {}))
     ref = decode.get("reference") or {}
     outs = decode.get("outputs") or {}
-    ok = sorted(rid for rid, e in dreq.items() if e.get("status") == "ok")
+    ok = sorted((rid for rid, e in dreq.items() if e.get("status") == "ok"), key=lambda rid: (len(rid), rid))
     failed = {rid: f"prefill: {e.get('reason')}" for rid, e in prefill.get("requests", {}).items()
               if e.get("status") == "failed"}
+    if not dreq:  # the decode role died: what it had received is lost with it
+        failed.update({rid: "decode role died" for rid, e in prefill.get("requests", {}).items()
+                       if e.get("status") == "sent"})
     failed.update({rid: str(e.get("reason")) for rid, e in dreq.items() if e.get("status") == "failed"})
     kv, canary = int(prefill.get("kv_bytes", 0)), int(prefill.get("canary_bytes", 0))
     by_req: dict[str, list[str]] = {}
