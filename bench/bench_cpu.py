@@ -412,6 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     _native.module("cpu")  # build / load outside the timings
+    load_before = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
     for fp in (False, True):
         rows += bench(Workload(args.bs, args.length, fp), reps=args.reps)
@@ -424,14 +425,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_save:
         return
     meta = {"command": COMMAND + (" " + " ".join(argv) if argv else ""), "threads": args.threads,
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "platform": platform.platform(),
+            "cpu_count": os.cpu_count(), "load_avg_1min": [load_before, os.getloadavg()[0]],
+            "torch": torch.__version__, "platform": platform.platform(),
             "halves": 2, "bytes_per_token": Workload(0, 0, True).bytes_per_token,
             "note": "best wall time of --reps calls (Python loop: best of 2); K+V records; TAIL write with "
                     "CHAIN_POSITION|INPUTS checks, TAIL verify of the same entries; slots randomly permuted"}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "cpu.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
     md = ["# CPU benchmark", "", f"Command: `{meta['command']}` ({meta['threads']} torch threads, "
-          f"{meta['cpu_count']} cores, torch {meta['torch']}).", "", str(meta["note"]) + ".", "",
+          f"{meta['cpu_count']} cores shared with other work: 1-min load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after; torch {meta['torch']}).", "", str(meta["note"]) + ".", "",
           "| op | fingerprint | method | entries | ms | entries/s | × Python loop |",
           "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
