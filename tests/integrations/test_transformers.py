@@ -114,6 +114,17 @@ def test_clean_sequential_prefix_hits_manager(llama: Any, prompts: list[list[int
     assert no_wrappers_left(mgr, llama)
 
 
+def test_clean_persistent_manager_across_calls(llama: Any, prompts: list[list[int]]) -> None:
+    """persistent_manager=True: the second generate_batch hits blocks the first one cached (records kept)."""
+    with kt.install(llama, raise_config(sweep_interval=2)) as handle:
+        for chunk in (prompts[:2], prompts[2:]):
+            llama.generate_batch(chunk, generation_config=gen_config(4), continuous_batching_config=cb_config(),
+                                 warmup=False, persistent_manager=True)
+        assert len(handle.canaries) == 1 and handle.stats["prefix_hit_tokens"] >= 2 * 2 * PAGE, handle.stats
+        llama.destroy_cached_continuous_batching_manager()
+    assert handle.total_violations == 0 and handle.errors == [] and no_wrappers_left(llama)
+
+
 def test_clean_fork_copies_records(llama: Any, prompts: list[list[int]]) -> None:
     """num_return_sequences=3: forks copy their partial blocks, and the canary records with them."""
     handle = kt.install(llama, raise_config())
@@ -146,6 +157,16 @@ def test_clean_qwen3(prompts: list[list[int]]) -> None:
     with kt.install(model, raise_config(sweep_interval=2)) as handle:
         out = generate(model, prompts[:3], max_new_tokens=5, max_batch_tokens=24)
     assert out == ref and handle.total_violations == 0 and handle.stats["prefix_hits"] >= 1
+
+
+def test_clean_eager_attention(prompts: list[list[int]]) -> None:
+    """attn_implementation='eager' runs as 'paged|eager', whose KV writes go through the same wrapped update."""
+    model = tiny_llama()
+    model.set_attn_implementation("eager")
+    ref = generate(model, prompts[:3], max_new_tokens=4, max_batch_tokens=24)
+    with kt.install(model, raise_config()) as handle:
+        out = generate(model, prompts[:3], max_new_tokens=4, max_batch_tokens=24)
+    assert out == ref and handle.total_violations == 0 and handle.stats.get("write_problems", 0) == 0
 
 
 def test_log_mode_keeps_generating(llama: Any, prompts: list[list[int]]) -> None:

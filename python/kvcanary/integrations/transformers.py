@@ -12,7 +12,7 @@ from types import TracebackType
 from typing import Any, overload
 
 import torch
-from kvcanary_schema import NO_SLOT, Group
+from kvcanary_schema import DEFAULT_REQ_CAPACITY, NO_SLOT, Group
 
 from kvcanary.adapter import BatchView, GroupSpec, PoolDescription, PrefixCacheExport, copy_transfer
 from kvcanary.config import CanaryConfig, CanaryMode
@@ -142,7 +142,7 @@ class HFPoolAdapter:
     """
 
     def __init__(self, cache: Any, req_rows: int | None = None, max_context: int | None = None,
-                 max_position_embeddings: int | None = None) -> None:
+                 max_position_embeddings: int | None = None, req_capacity: int = DEFAULT_REQ_CAPACITY) -> None:
         if list(cache.cache_allocators) != [_FULL]:
             raise TransformersIntegrationError(f"kvcanary guards full-attention-only models; this cache has groups "
                                                f"{list(cache.cache_allocators)}")
@@ -157,11 +157,16 @@ class HFPoolAdapter:
         self.device = torch.device(cache.device)
         self.num_layers = len(alloc.layer_indices)
         usable = self.num_slots - self.reserved_slots
-        self.req_rows = req_rows if req_rows is not None else max(1, self.total_blocks - 2 * bps)
+        # every live request owns at least one block of its own (a prefix hit never covers its last token)
+        self.req_rows = req_rows if req_rows is not None else max(1, min(self.total_blocks - 2 * bps, req_capacity))
         self.max_context = max_context if max_context is not None else min(usable, max_position_embeddings or usable)
         if self.req_rows < 1 or self.max_context < 1:
             raise CanaryInputError(f"req_rows and max_context must be >= 1, got {self.req_rows}, {self.max_context}")
         dtype = torch.int32 if self.num_slots < 2**31 else torch.int64
+        table_bytes = self.req_rows * self.max_context * dtype.itemsize
+        if table_bytes > 1 << 28:
+            logger.warning("kvcanary: the slot table takes %d MiB (%d rows x %d positions); pass req_rows= and "
+                           "max_context= to install() to shrink it", table_bytes >> 20, self.req_rows, self.max_context)
         self.req_to_token = torch.full((self.req_rows, self.max_context), NO_SLOT, dtype=dtype, device=self.device)
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(self.req_rows - 1, -1, -1))
@@ -328,7 +333,7 @@ class _Session:
         cache = proc.cache
         text_cfg = hf_manager.model.config.get_text_config()
         self.adapter = HFPoolAdapter(cache, handle.req_rows, handle.max_context,
-                                     getattr(text_cfg, "max_position_embeddings", None))
+                                     getattr(text_cfg, "max_position_embeddings", None), handle.config.req_capacity)
         self.canary: CanaryManager = install_manager(self.adapter, handle.config,
                                                      sinks=[handle._on_report, *handle.sinks])
         self.graphs = any(hf_manager.continuous_batching_config.cuda_graph_booleans)
@@ -537,7 +542,12 @@ class TransformersCanary:
         """Adapter counters (forwards, prefix hits, blocks allocated/copied, requests released, ...)."""
         out = Counter(self._closed_stats)
         for s in list(self._sessions.values()):
-            out.update(s.stats)
+            for _ in range(8):  # the generation thread may add a key while we copy
+                try:
+                    out.update(dict(s.stats))
+                    break
+                except RuntimeError:
+                    continue
         return out
 
     @property
