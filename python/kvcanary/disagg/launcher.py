@@ -23,6 +23,7 @@ from kvcanary.errors import CanaryInputError
 from .canary import CanaryBinding
 from .decode import DecodeRole
 from .engines import DecodeEngine, PrefillEngine, Workload, engine_config, model_config
+from .errors import PeerLostError
 from .prefill import PrefillRole
 from .transport import Channel, FaultName, FaultSpec
 
@@ -86,11 +87,14 @@ def _run_role(rank: int, cfg: LaunchConfig, port: int) -> tuple[dict[str, Any], 
             os.environ.setdefault(key, value)
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=cfg.timeout_s)
-    if gpu:
-        dist.init_process_group("nccl", rank=rank, world_size=2, timeout=timeout, device_id=device)
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        if gpu:
+            dist.init_process_group("nccl", rank=rank, world_size=2, timeout=timeout, device_id=device)
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
+        control = dist.new_group(backend="gloo", timeout=timeout)
+    except (RuntimeError, dist.DistError) as err:  # the peer never joined (or died while joining)
+        raise PeerLostError(f"process group setup failed: {str(err).splitlines()[0][:200]}") from err
     channel = Channel(1 - rank, control, dist.group.WORLD, cfg.timeout_s)
     model = model_config(cfg.model)
     requests = cfg.workload.requests(model.vocab_size)
