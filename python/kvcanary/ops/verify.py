@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from kvcanary_schema import (
     NO_SLOT,
-    NUM_LAUNCH_TAGS,
-    NUM_VIOLATION_COLS,
     SKIP_TOKEN,
     CounterCol,
     FailReason,
@@ -24,6 +22,16 @@ from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
 from kvcanary.ops.fingerprint import check_fingerprint, fingerprint_torch
 from kvcanary.ops.plan import check_plan_buffers, empty_i64
+from kvcanary.ops.shared import (
+    EVICTED,
+    INPUT_ERROR,
+    OK,
+    RESERVED,
+    append_rows,
+    record_link,
+    resolve_slots,
+    violation_rows,
+)
 from kvcanary.ops.types import (
     Fingerprint,
     GroupView,
@@ -32,9 +40,6 @@ from kvcanary.ops.types import (
     check_backend,
     check_tensor,
 )
-
-# Slot resolution outcomes (csrc/core/resolve.cuh SlotStatus).
-_OK, _INPUT_ERROR, _EVICTED, _RESERVED = 0, 1, 2, 3
 
 
 def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
@@ -79,53 +84,6 @@ def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Ten
 
 # ---- torch reference -------------------------------------------------------------------------------------------
 
-def resolve_slots(group: GroupView, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(outcome, slot) per table-space slot (csrc/core/resolve.cuh): slot is the group slot, or the bad value."""
-    n = group.num_slots
-    if group.swa_map is None:
-        bad = (t < 0) | (t >= n)
-        slot = t
-        evicted = torch.zeros_like(bad)
-    else:
-        m = group.swa_map.shape[0]
-        out_of_map = (t < 0) | (t >= m)
-        g = group.swa_map[torch.clamp(t, 0, m - 1)] if m else torch.full_like(t, NO_SLOT)
-        slot = torch.where(out_of_map, t, g)
-        evicted = ~out_of_map & (g < 0)
-        bad = out_of_map | (~evicted & (g >= n))
-    reserved = ~bad & ~evicted & (slot < group.reserved_slots)
-    outcome = torch.full_like(t, _OK)
-    outcome = torch.where(bad, _INPUT_ERROR, torch.where(evicted, _EVICTED, torch.where(reserved, _RESERVED, outcome)))
-    return outcome, slot
-
-
-def record_link(rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(has_link, link) of records [E, RECORD_NUM_FIELDS]: prev_hash * CHAIN_BASE + g(token, position)."""
-    tok, pos = rec[:, RecordField.TOKEN], rec[:, RecordField.POSITION]
-    ok = H.chain_value_ok(tok) & H.chain_value_ok(pos)
-    return ok, H.chain_step(rec[:, RecordField.PREV_HASH], tok, pos)
-
-
-def _rows(n: int, device: torch.device) -> torch.Tensor:
-    r = torch.zeros(n, NUM_VIOLATION_COLS, dtype=torch.int64, device=device)
-    r[:, ViolationCol.EXPECTED_TOKEN] = SKIP_TOKEN
-    return r
-
-
-def _append(sink: Sink, rows: torch.Tensor) -> None:
-    """Append rows to the ring (exact count, first-capacity rows kept) and count VIOLATIONS per tag."""
-    n = rows.shape[0]
-    if n == 0:
-        return
-    rows[:, ViolationCol.STEP] = sink.step[0]
-    sink.counters[:, CounterCol.VIOLATIONS] += torch.bincount(rows[:, ViolationCol.TAG], minlength=NUM_LAUNCH_TAGS)
-    k0 = int(sink.count.item())
-    keep = max(0, min(n, sink.capacity - k0))
-    if keep:
-        sink.rows[k0:k0 + keep] = rows[:keep]
-    sink.count += n
-
-
 def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: torch.Tensor,
                   table: torch.Tensor, sink: Sink, pool: TokenPool | None, fp: Fingerprint | None) -> None:
     dev = group.records.device
@@ -140,7 +98,7 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
 
     bad = seg[~seg_ok]
     for tag in tags:  # a bad segment: one INPUT_ERROR row per half (csrc/core/verify.cuh verify_emit_bad_segment)
-        r = _rows(bad.shape[0], dev)
+        r = violation_rows(bad.shape[0], dev)
         r[:, ViolationCol.TAG] = tag
         r[:, ViolationCol.REASONS] = int(FailReason.INPUT_ERROR)
         r[:, ViolationCol.SLOT] = NO_SLOT
@@ -165,14 +123,14 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
     prev_t = flat[rowv * row_len + torch.clamp(idx - 1, min=0)] if total else t
     pt = torch.where(first, gs[:, PlanCol.FIRST_PREV_SLOT], prev_t)
     p_outcome, p_slot = resolve_slots(group, pt)
-    pred_ok = ~anchor & (p_outcome == _OK)
+    pred_ok = ~anchor & (p_outcome == OK)
     has_pred = anchor | pred_ok
 
-    err = outcome == _INPUT_ERROR
-    skipped = (outcome == _EVICTED) | (outcome == _RESERVED)
-    ok = outcome == _OK
+    err = outcome == INPUT_ERROR
+    skipped = (outcome == EVICTED) | (outcome == RESERVED)
+    ok = outcome == OK
     for tag in tags:
-        r = _rows(int(err.sum()), dev)
+        r = violation_rows(int(err.sum()), dev)
         r[:, ViolationCol.TAG] = tag
         r[:, ViolationCol.REASONS] = int(FailReason.INPUT_ERROR)
         r[:, ViolationCol.SLOT] = slot[err]
@@ -222,7 +180,7 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
             exp_fp = fingerprint_torch(fp.sources, h, s, p, fp.mode, fp.layer_stride)
             reasons |= _bit(r_fp != exp_fp, FailReason.VERIFY_FINGERPRINT)
         hit = reasons != 0
-        r = _rows(int(hit.sum()), dev)
+        r = violation_rows(int(hit.sum()), dev)
         r[:, ViolationCol.TAG] = tag
         r[:, ViolationCol.REASONS] = reasons[hit]
         r[:, ViolationCol.SLOT] = s[hit]
@@ -238,7 +196,7 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
         r[:, ViolationCol.STORED_FP] = r_fp[hit]
         r[:, ViolationCol.EXPECTED_FP] = exp_fp[hit]
         out.append(r)
-    _append(sink, torch.cat(out) if out else _rows(0, dev))
+    append_rows(sink, torch.cat(out) if out else violation_rows(0, dev))
 
 
 def _bit(mask: torch.Tensor, reason: FailReason) -> torch.Tensor:

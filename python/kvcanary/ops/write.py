@@ -24,11 +24,11 @@ from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
 from kvcanary.ops.fingerprint import check_fingerprint, fingerprint_torch
 from kvcanary.ops.plan import check_plan_buffers, empty_i64
+from kvcanary.ops.shared import append_rows, record_link, resolve_slots, violation_rows
 from kvcanary.ops.types import Fingerprint, GroupView, Sink, TokenPool, check_backend, check_tensor
-from kvcanary.ops.verify import _append, _rows, record_link, resolve_slots
 
 # Slot resolution outcomes (csrc/core/resolve.cuh SlotStatus).
-_OK, _INPUT_ERROR, _EVICTED, _RESERVED = 0, 1, 2, 3
+OK, INPUT_ERROR, EVICTED, RESERVED = 0, 1, 2, 3
 _ALL_CHECKS = int(WriteCheck.CHAIN_POSITION | WriteCheck.INPUTS)
 _CHAIN_BASE_INV = pow(CHAIN_BASE, -1, 1 << 64)
 
@@ -126,7 +126,7 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
         """Violation rows of plan rows ``segs`` [n, NUM_PLAN_COLS] with the given column values."""
         if segs.shape[0] == 0:
             return
-        r = _rows(segs.shape[0], dev)
+        r = violation_rows(segs.shape[0], dev)
         r[:, ViolationCol.TAG] = tag
         r[:, ViolationCol.REASONS] = reasons
         r[:, ViolationCol.BATCH_INDEX] = segs[:, PlanCol.BATCH_INDEX]
@@ -147,7 +147,7 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
     # Seeds [G] per half (write_seed).
     seed_head = (flags & int(PlanFlag.SEED_IS_HEAD)) != 0
     s_out, s_slot = resolve_slots(group, good[:, PlanCol.SEED_SLOT])
-    s_res = s_out == _OK
+    s_res = s_out == OK
     seed_rec = group.records[torch.where(s_res, s_slot, torch.zeros_like(s_slot))] if group.num_slots else \
         torch.zeros(good.shape[0], group.halves, group.records.shape[2], dtype=torch.int64, device=dev)
     seed_ok, seed_h, seed_prev = [], [], []
@@ -168,10 +168,10 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
     t, p, lc = _at(ids, k), _at(pos, k), _at(loc, k)
     outcome, slot = resolve_slots(group, lc)
     pad = lc < 0
-    placed = ~pad & ((outcome == _OK) | (outcome == _RESERVED))
+    placed = ~pad & ((outcome == OK) | (outcome == RESERVED))
     active = placed & H.chain_value_ok(t) & H.chain_value_ok(p)
-    skip_err = ~pad & ~active & (outcome != _EVICTED)  # slot input error or bad token/position
-    evicted = ~pad & (outcome == _EVICTED)
+    skip_err = ~pad & ~active & (outcome != EVICTED)  # slot input error or bad token/position
+    evicted = ~pad & (outcome == EVICTED)
     expected_pos = _at(good[:, PlanCol.PREFIX_LEN].contiguous(), sid) + j
 
     # Exclusive affine scan per segment via prefix sums: with C = number of active entries before i (global) and
@@ -262,4 +262,4 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
             ViolationCol.STORED_TOKEN: t[li], ViolationCol.STORED_HASH: h_end[miss],
             ViolationCol.EXPECTED_HASH: want[miss]})
     if out:
-        _append(sink, torch.cat(out))
+        append_rows(sink, torch.cat(out))
