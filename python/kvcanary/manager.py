@@ -146,8 +146,7 @@ class CanaryManager:
         self._last_counters: list[list[int]] = [[0] * NUM_COUNTER_COLS for _ in range(NUM_LAUNCH_TAGS)]
         self._violations_total = 0
         self._per_forward = self._launches_per_forward()
-        n_groups = len(self.state.groups)
-        size = _SNAP_COUNTERS + 3 + n_groups * NUM_PLAN_STATUS_COLS + config.ring_capacity * NUM_VIOLATION_COLS
+        size = self.state.snapshot.numel()
         pin = self.device.type == "cuda"
         self._snap_dev = [torch.zeros(size, dtype=torch.int64, device=self.device) for _ in range(2)]
         self._snap_host = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) if pin else self._snap_dev[i]
@@ -419,8 +418,7 @@ class CanaryManager:
             ev.synchronize()  # type: ignore[attr-defined]
         host = st.upload[k]
         host[:, :bs].copy_(torch.tensor(rows, dtype=torch.int64))
-        for j, dst in enumerate((st.expect_prefix, st.expect_new, st.flag_mask, st.stripe_end)):
-            dst[:bs].copy_(host[j, :bs], non_blocking=True)
+        st.truth_rows[:, :bs].copy_(host[:, :bs], non_blocking=True)
         if self.device.type == "cuda":
             e = torch.cuda.Event()  # type: ignore[no-untyped-call]
             e.record()
@@ -515,13 +513,8 @@ class CanaryManager:
         if ev is not None:  # the buffer's previous window must have been collected
             self._collect_ready(block=True)
         snap = self._snap_dev[k]
-        o = 0
-        for src in (st.sink.counters.view(-1), st.sink.count, st.phase, st.window_status.view(-1),
-                    st.sink.rows.view(-1)):
-            snap[o:o + src.numel()].copy_(src)
-            o += src.numel()
-        st.sink.count.zero_()
-        st.window_status.zero_()
+        snap.copy_(st.snapshot)
+        st.reset_span.zero_()
         if self.device.type == "cuda":
             stream = st.stream
             assert stream is not None
@@ -556,10 +549,10 @@ class CanaryManager:
         cfg, st = self.config, self.state
         snap = self._snap_host[p.index]
         n_groups = len(st.groups)
-        head = snap[:_SNAP_COUNTERS + 3 + n_groups * NUM_PLAN_STATUS_COLS].tolist()
+        head = snap[:_SNAP_COUNTERS + 3 + n_groups * NUM_PLAN_STATUS_COLS].tolist()  # layout: CanaryState.arena
         counters = [head[t * NUM_COUNTER_COLS:(t + 1) * NUM_COUNTER_COLS] for t in range(NUM_LAUNCH_TAGS)]
-        ring_total = head[_SNAP_COUNTERS]
-        phase = head[_SNAP_COUNTERS + 1:_SNAP_COUNTERS + 3]
+        phase = head[_SNAP_COUNTERS:_SNAP_COUNTERS + 2]
+        ring_total = head[_SNAP_COUNTERS + 2]
         o = _SNAP_COUNTERS + 3
         plan_status = [head[o + g * NUM_PLAN_STATUS_COLS:o + (g + 1) * NUM_PLAN_STATUS_COLS] for g in range(n_groups)]
         o += n_groups * NUM_PLAN_STATUS_COLS

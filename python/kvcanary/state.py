@@ -73,18 +73,30 @@ class CanaryState:
         d = self.device
         rc, tc = config.req_capacity, config.token_capacity
         self.groups: list[GroupState] = [self._group(spec) for spec in pool.groups]
-        self.sink = Sink.allocate(config.ring_capacity, d)
+        # One arena so that staging a window is one copy and resetting it one fill:
+        # [step | counters | phase | ring count | window status | ring rows]; everything after step is staged,
+        # ring count and window status (adjacent) are reset.
+        n_ctr, n_ws = NUM_LAUNCH_TAGS * NUM_COUNTER_COLS, len(self.groups) * NUM_PLAN_STATUS_COLS
+        self.arena = _i64(1 + n_ctr + 2 + 1 + n_ws + config.ring_capacity * NUM_VIOLATION_COLS, device=d)
+        o = 1 + n_ctr
+        self.snapshot = self.arena[1:]  # what a window stages
+        self.reset_span = self.arena[o + 2:o + 3 + n_ws]  # ring count + window status
+        self.sink = Sink(self.arena[o + 3 + n_ws:].view(config.ring_capacity, NUM_VIOLATION_COLS),
+                         self.arena[o + 2:o + 3], self.arena[1:o].view(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS),
+                         self.arena[0:1])
+        self.sink.validate(d)
         # pre-forward count [0] and post-forward count [1]: advanced inside the (captured) bracket
-        self.phase = _i64(2, device=d)
+        self.phase = self.arena[o:o + 2]
         # a running max of plan status over the reporting window (input errors, overflow)
-        self.window_status = _i64(len(self.groups), NUM_PLAN_STATUS_COLS, device=d)
+        self.window_status = self.arena[o + 3:o + 3 + n_ws].view(len(self.groups), NUM_PLAN_STATUS_COLS)
         # static batch buffers: the bracket's device parts read only these
         self.req_pool_indices = _i64(rc, device=d)
         self.prefix_lens = _i64(rc, device=d)
         self.extend_lens = _i64(rc, device=d)
-        self.expect_prefix = _i64(rc, device=d)
-        self.expect_new = _i64(rc, device=d)
-        self.flag_mask = torch.full((rc,), -1, dtype=torch.int64, device=d)  # per request: PlanFlag bits kept
+        # host-computed per-request rows, uploaded in one copy: expect_prefix, expect_new, flag mask, stripe end
+        self.truth_rows = _i64(4, rc, device=d)
+        self.expect_prefix, self.expect_new, self.flag_mask, self.stripe_end = self.truth_rows.unbind(0)
+        self.flag_mask.fill_(-1)  # per request: PlanFlag bits kept
         self.input_ids = _i64(tc, device=d)
         self.positions = _i64(tc, device=d)
         self.out_cache_loc = _i64(tc, device=d)
@@ -93,7 +105,6 @@ class CanaryState:
         self.zeros = _i64(rc, device=d)
         self.stripe_a = _i64(rc, device=d)
         self.stripe_b = _i64(rc, device=d)
-        self.stripe_end = _i64(rc, device=d)
         self.seg_index = _i64(rc, device=d)
         self.seg_mask = _i64(rc, device=d)
         self.sweep_plan = _i64(config.sweep_capacity, NUM_PLAN_COLS, device=d)
@@ -156,8 +167,7 @@ class CanaryState:
         return total
 
     def _tensors(self) -> list[torch.Tensor]:
-        ts = [self.sink.rows, self.sink.count, self.sink.counters, self.sink.step, self.phase, self.window_status,
-              self.sweep_plan, self.sweep_status]
+        ts = [self.arena, self.truth_rows, self.sweep_plan, self.sweep_status]
         for g in self.groups:
             ts += [g.head.records, g.tail.records, g.plan, g.status]
         if self.token_pool is not None:
