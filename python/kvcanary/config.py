@@ -113,8 +113,12 @@ class CanaryConfig:
     layer_coverage: LayerCoverage = LayerCoverage.FIRST
     layer_stride: int = DEFAULT_FP_LAYER_STRIDE  # used by LayerCoverage.SAMPLE
     coverage: CoveragePolicy = CoveragePolicy.FULL
-    stripe_size: int = 256  # WINDOW policy: older slots verified per request per forward
-    window_links: int = 1  # WINDOW policy: newest prefix links verified every forward
+    # WINDOW policy: the newest ``window_links`` prefix links every forward plus a rotating stripe of
+    # ``stripe_size`` older slots per request; worst-case time-to-detect of an older slot's corruption is
+    # 2 * ceil((prefix_len - window_links) / stripe_size) forwards of its request (one pass, ceil(...), when the
+    # prefix does not grow); idle cached slots are the sweep's (sweep_interval forwards).
+    stripe_size: int = 256
+    window_links: int = 1
     sweep_interval: int = DEFAULT_SWEEP_INTERVAL  # forwards between sweeps; 0 = off
     sweep_capacity: int = DEFAULT_SWEEP_CAPACITY
     sweep_unlocked_only: bool = False  # sweep only chains no running request holds (the rest are verified per forward)
