@@ -36,7 +36,7 @@ for model in ("full", "swa"):
     for fault in ("corrupt", "truncate_layers", "truncate_tail", "swap", "stale", "bad_length", "bad_header",
                   "kill_decode", "kill_prefill", "stall_decode"):
         r = launch(LaunchConfig(device="cuda", model=model, workload=Workload(4, 20, 20, 4, seed=3),
-                                fault=FaultSpec(FaultName(fault), 1, seed=5), timeout_s=8.0))
+                                fault=FaultSpec(FaultName(fault), 1, seed=5), timeout_s=8.0, idle_timeout_s=12.0))
         rows.append(r)
         print(model, fault, "ok", r["ok"], "failed", r["failed"], "detected", r["detected"],
               "prefill_violations", r["prefill_violations"], "match", r["outputs_match_reference"],

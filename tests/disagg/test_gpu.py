@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 def run(model: str, fault: FaultName = FaultName.NONE, target: int = 1, **kw: Any) -> dict[str, Any]:
     """One launch on cuda:0 (prefill) and cuda:1 (decode)."""
     return launch(LaunchConfig(device="cuda", model=model, workload=Workload(4, 20, 20, 4, seed=3),
-                               fault=FaultSpec(fault, target, seed=5), timeout_s=8.0, **kw))
+                               fault=FaultSpec(fault, target, seed=5), timeout_s=8.0, idle_timeout_s=12.0, **kw))
 
 
 @pytest.mark.parametrize("model", ["full", "swa"])

@@ -31,7 +31,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], argpa
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--backend", choices=("auto", "torch", "cpu", "cuda"), default="auto")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds any transfer step may wait for the peer")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds a transfer step may wait for the peer")
+    p.add_argument("--idle-timeout", type=float, default=None,
+                   help="seconds to wait for the next OFFER or a GRANT (default 6 x --timeout)")
     p.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
                    help="forkserver: import torch once for many runs (campaigns)")
     p.add_argument("--no-canary", action="store_true")
@@ -43,8 +45,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], argpa
     workload = Workload(a.requests, int(lo), int(hi or lo), a.max_new_tokens, a.seed)
     names = [f for f in FaultName if f != FaultName.NONE] if a.fault == "all" else [FaultName(a.fault)]
     base = LaunchConfig(device=a.device, workload=workload, canary=not a.no_canary, backend=a.backend,
-                        timeout_s=a.timeout, reference=not a.no_reference, page_size=a.page_size,
-                        start_method=a.start_method)
+                        timeout_s=a.timeout, idle_timeout_s=a.idle_timeout, reference=not a.no_reference,
+                        page_size=a.page_size, start_method=a.start_method)
     return [dataclasses.replace(base, model=m, fault=FaultSpec(f, a.target, a.fault_seed, a.layers))
             for m in a.model for f in names], a
 

@@ -39,7 +39,7 @@ class DecodeRole:
             handshake(self.channel, self.layout, first=False)
             index = 0
             while True:
-                msg = self.channel.recv(MsgKind.OFFER, MsgKind.BYE)
+                msg = self.channel.recv(MsgKind.OFFER, MsgKind.BYE, idle=True)  # prefill computes in between
                 if msg.kind == MsgKind.BYE:
                     break
                 self._receive(index, msg)
@@ -66,9 +66,10 @@ class DecodeRole:
 
     def _validate(self, msg: Message) -> tuple[Request | None, Status]:
         req = self.known.get(request_id(msg.req_key))
-        if req is None or msg.body != req.prompt or msg.prefix_len != len(req.prompt) or \
-                msg.full_rows != msg.prefix_len or msg.digest != self.layout.digest or \
-                not 0 <= msg.first_token < self.engine.models.target.config.vocab_size:
+        vocab = self.engine.models.target.config.vocab_size
+        if req is None or req.rid in self.report.requests or msg.body != req.prompt or \
+                msg.prefix_len != len(req.prompt) or msg.full_rows != msg.prefix_len or \
+                msg.digest != self.layout.digest or not 0 <= msg.first_token < vocab:
             return req, Status.BAD_META
         window = self.engine.models.target.config.sliding_window
         if not 0 <= msg.swa_rows <= (min(window, msg.full_rows) if self.engine.swa is not None else 0):
@@ -82,7 +83,7 @@ class DecodeRole:
         if self.fault.hits(FaultName.KILL_DECODE, index):
             os._exit(3)  # the fault: this process dies after the OFFER, before answering
         if self.fault.hits(FaultName.STALL_DECODE, index):
-            time.sleep(self.channel.timeout_s * 1.5)  # the fault: alive but silent past the peer's timeout
+            time.sleep(self.channel.idle_timeout_s * 1.5)  # the fault: alive but silent past the peer's timeout
         req, status = self._validate(msg)
         reservation = None
         if req is not None and status == Status.OK:

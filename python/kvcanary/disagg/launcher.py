@@ -40,10 +40,16 @@ class LaunchConfig:
     fault: FaultSpec = field(default_factory=FaultSpec)
     canary: bool = True
     backend: str = "auto"
-    timeout_s: float = 10.0
+    timeout_s: float = 10.0  # a transfer step (payload, ACK)
+    idle_timeout_s: float | None = None  # waiting for the next OFFER or a GRANT; None: 6 x timeout_s
     reference: bool = True  # decode side re-runs the workload on one engine and compares outputs
     page_size: int = 1
     start_method: str = "spawn"  # "forkserver" (tests): torch is imported once by the server, not per role
+
+    @property
+    def idle_s(self) -> float:
+        """How long a role waits for a message its peer may first have to compute (next OFFER, GRANT)."""
+        return 6 * self.timeout_s if self.idle_timeout_s is None else self.idle_timeout_s
 
 
 def free_port() -> int:
@@ -86,7 +92,7 @@ def _run_role(rank: int, cfg: LaunchConfig, port: int) -> tuple[dict[str, Any], 
                            ("NCCL_NVLS_ENABLE", "0")):
             os.environ.setdefault(key, value)
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=cfg.timeout_s)
+    timeout = timedelta(seconds=max(cfg.timeout_s, cfg.idle_s))
     try:
         if gpu:
             dist.init_process_group("nccl", rank=rank, world_size=2, timeout=timeout, device_id=device)
@@ -95,7 +101,7 @@ def _run_role(rank: int, cfg: LaunchConfig, port: int) -> tuple[dict[str, Any], 
         control = dist.new_group(backend="gloo", timeout=timeout)
     except (RuntimeError, dist.DistError) as err:  # the peer never joined (or died while joining)
         raise PeerLostError(f"process group setup failed: {str(err).splitlines()[0][:200]}") from err
-    channel = Channel(1 - rank, control, dist.group.WORLD, cfg.timeout_s)
+    channel = Channel(1 - rank, control, dist.group.WORLD, cfg.timeout_s, cfg.idle_s)
     model = model_config(cfg.model)
     requests = cfg.workload.requests(model.vocab_size)
     econf = engine_config(page_size=cfg.page_size)
@@ -155,7 +161,8 @@ def summarize(cfg: LaunchConfig, prefill: dict[str, Any], decode: dict[str, Any]
                      "bytes_per_row": prefill.get("bytes_per_row", {})},
         "faults_fired": decode.get("faults_fired", []),
         "seconds": {"prefill": prefill.get("seconds"), "decode": decode.get("seconds")},
-        "config": {"timeout_s": cfg.timeout_s, "backend": cfg.backend, "canary": cfg.canary,
+        "config": {"timeout_s": cfg.timeout_s, "idle_timeout_s": cfg.idle_s, "backend": cfg.backend,
+                   "canary": cfg.canary,
                    "workload": asdict(cfg.workload), "page_size": cfg.page_size},
     }
 
@@ -175,7 +182,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
                  for r in (PREFILL_RANK, DECODE_RANK)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + 6 * cfg.timeout_s + 120
+        deadline = time.monotonic() + 4 * cfg.idle_s + 120
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for rank, p in enumerate(procs):

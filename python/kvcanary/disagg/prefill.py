@@ -65,7 +65,7 @@ def handshake(channel: Channel, layout: TransferLayout, first: bool) -> None:
     mine = Message(MsgKind.HELLO, digest=layout.digest)
     if first:
         channel.send(mine)
-    peer = channel.recv(MsgKind.HELLO)
+    peer = channel.recv(MsgKind.HELLO, idle=True)
     if not first:
         channel.send(mine)
     if peer.digest != layout.digest:
@@ -116,7 +116,7 @@ class PrefillRole:
                         full_rows=n, swa_rows=nswa, payload_bytes=declared, digest=self.layout.digest,
                         body=tuple(state.req.prompt))
         self.channel.send(offer, corrupt_checksum=self.fault.hits(FaultName.BAD_HEADER, index))
-        reply = self.channel.recv(MsgKind.GRANT, MsgKind.REJECT)
+        reply = self.channel.recv(MsgKind.GRANT, MsgKind.REJECT, idle=True)  # decode may first make room
         entry = self.report.requests[state.rid]
         entry.update(index=index, first_token=state.tokens[-1], prefix_len=n, swa_rows=nswa)
         if reply.kind == MsgKind.REJECT:

@@ -138,28 +138,33 @@ def _classify(err: BaseException, what: str, timeout_s: float) -> TransferError:
 class Channel:
     """Control messages (CPU, gloo) and payloads (the data group: gloo on CPU, NCCL on GPUs) to one peer.
 
-    Every blocking operation waits at most ``timeout_s`` and raises PeerLostError / TransferTimeoutError /
-    TransferProtocolError instead of hanging. Sequence numbers per direction catch lost or repeated messages.
+    Every blocking operation waits at most ``timeout_s`` (``idle_timeout_s`` for a message the peer may first have
+    to compute: the next OFFER, a GRANT) and raises PeerLostError / TransferTimeoutError / TransferProtocolError
+    instead of hanging. Sequence numbers per direction catch lost or repeated messages.
     """
 
-    def __init__(self, peer: int, control_group: Any, data_group: Any, timeout_s: float) -> None:
-        if timeout_s <= 0:
-            raise CanaryInputError(f"timeout_s must be > 0, got {timeout_s}")
+    def __init__(self, peer: int, control_group: Any, data_group: Any, timeout_s: float,
+                 idle_timeout_s: float | None = None) -> None:
+        idle = 6 * timeout_s if idle_timeout_s is None else idle_timeout_s
+        if timeout_s <= 0 or idle < timeout_s:
+            raise CanaryInputError(f"need 0 < timeout_s <= idle_timeout_s, got {timeout_s}, {idle}")
         self.peer, self.control, self.data, self.timeout_s = peer, control_group, data_group, timeout_s
+        self.idle_timeout_s = idle
         self._seq_out = 0
         self._seq_in = 0
         self.bytes_sent = 0
         self.bytes_received = 0
         self.peer_aborted = False
 
-    def _wait(self, start: Any, what: str) -> None:
+    def _wait(self, start: Any, what: str, idle: bool = False) -> None:
+        limit = self.idle_timeout_s if idle else self.timeout_s
         try:
             work = start()
-            work.wait(timeout=timedelta(seconds=self.timeout_s))
+            work.wait(timeout=timedelta(seconds=limit))
         except TransferError:
             raise
         except RuntimeError as err:
-            raise _classify(err, what, self.timeout_s) from err
+            raise _classify(err, what, limit) from err
 
     def send(self, msg: Message, *, corrupt_checksum: bool = False) -> None:
         """Send a control message (the sequence number is filled in)."""
@@ -169,10 +174,13 @@ class Channel:
         if body.numel():
             self._wait(lambda: dist.isend(body, self.peer, group=self.control), f"send {msg.kind.name} body")
 
-    def recv(self, *kinds: MsgKind) -> Message:
-        """Receive the next control message; raise unless it is one of ``kinds`` (ABORT always raises)."""
+    def recv(self, *kinds: MsgKind, idle: bool = False) -> Message:
+        """Receive the next control message; raise unless it is one of ``kinds`` (ABORT always raises).
+
+        ``idle``: the peer may have work to do before it answers (wait up to ``idle_timeout_s``).
+        """
         h = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-        self._wait(lambda: dist.irecv(h, self.peer, group=self.control), "receive a control message")
+        self._wait(lambda: dist.irecv(h, self.peer, group=self.control), "receive a control message", idle)
         n = decode_header(h)
         body = torch.zeros(n, dtype=torch.int64)
         if n:
