@@ -111,7 +111,7 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
     lens = good[:, PlanCol.IDX_END] - good[:, PlanCol.IDX_BEGIN]
     sid = torch.repeat_interleave(torch.arange(good.shape[0], device=dev), lens)
     total = sid.shape[0]
-    gs = good[sid]
+    gs = good.index_select(0, sid)
     idx = gs[:, PlanCol.IDX_BEGIN] + torch.arange(total, device=dev) - (torch.cumsum(lens, 0) - lens)[sid]
     rowv = gs[:, PlanCol.ROW]
     flat = table.reshape(-1).to(torch.int64)
@@ -143,9 +143,11 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
         sink.counters[tag, CounterCol.ENTRIES_CHECKED] += ok.sum()
 
     # Checked entries only from here on.
-    s, p, g, i = slot[ok], pos[ok], gs[ok], idx[ok]
-    anc, hp = anchor[ok], has_pred[ok]
-    ps = torch.where(pred_ok[ok], p_slot[ok], torch.zeros_like(s))
+    # One nonzero + index_select per tensor: boolean-mask indexing would recompute the mask's nonzero each time.
+    sel = ok.nonzero().squeeze(1)
+    s, p, g, i = (x.index_select(0, sel) for x in (slot, pos, gs, idx))
+    anc, hp = anchor.index_select(0, sel), has_pred.index_select(0, sel)
+    ps = torch.where(pred_ok.index_select(0, sel), p_slot.index_select(0, sel), torch.zeros_like(s))
     flags = g[:, PlanCol.FLAGS]
     boundary = ((flags & int(PlanFlag.EXPECT_PREFIX)) != 0) & (i == g[:, PlanCol.IDX_END] - 1)
     if pool is not None:
@@ -158,11 +160,12 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
             in_pool &= q < pool.lens[prow]
             pool_tok = pool.tokens[prow, torch.clamp(q, 0, pool_cols - 1)]
             expected_token = torch.where(in_pool, pool_tok, expected_token)
+    halves, flat_records = group.halves, group.records.view(-1, group.records.shape[-1])
     for h, tag in enumerate(tags):
-        rec = group.records[s, h]
+        rec = flat_records.index_select(0, s * halves + h)
         r_tok, r_pos = rec[:, RecordField.TOKEN], rec[:, RecordField.POSITION]
         r_prev, r_fp = rec[:, RecordField.PREV_HASH], rec[:, RecordField.KV_FINGERPRINT]
-        pred_has_link, pred_link = record_link(group.records[ps, h])
+        pred_has_link, pred_link = record_link(flat_records.index_select(0, ps * halves + h))
         chain_expected = torch.where(anc, torch.full_like(s, H.chain_h0()),
                                      torch.where(pred_has_link, pred_link, torch.zeros_like(s)))
         chain_bad = hp & (~(anc | pred_has_link) | (r_prev != chain_expected))
