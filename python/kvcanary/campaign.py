@@ -408,8 +408,10 @@ def _matches(case: FaultCase, v: Violation) -> bool:
     return v.tag.stage in case.stages and bool(int(v.reasons) & int(case.reasons))
 
 
-def run_trial(case: FaultCase, seed: int, device: str = "cpu", backend: str = "torch") -> TrialResult:
-    """Run ``case`` once with ``seed`` (workload, fault and perturbation draws) and judge the canary's report."""
+def run_trial(case: FaultCase, seed: int, device: str = "cpu", backend: str = "torch",
+              **canary_changes: Any) -> TrialResult:
+    """Run ``case`` once with ``seed`` (workload, fault and perturbation draws) and judge the canary's report;
+    ``canary_changes`` override knobs of :func:`canary_config` (e.g. token_truth=OFF to show what truth buys)."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
     probs: dict[str, Any] = {case.engine_fault: 1.0} if case.engine_fault else {}
@@ -417,7 +419,7 @@ def run_trial(case: FaultCase, seed: int, device: str = "cpu", backend: str = "t
     engine = build_engine(case.engine, case.spec, device, faults)
     perturb = PerturbConfig({case.perturb: 1.0}, warmup_steps=3, seed=seed) if case.perturb else PerturbConfig()
     watch = _Watch(case)
-    canary = EngineCanary(engine, canary_config(backend, perturb=perturb), on_forward=watch)
+    canary = EngineCanary(engine, canary_config(backend, perturb=perturb, **canary_changes), on_forward=watch)
     oracle = BookkeepingOracle(engine)
     engine.hooks = _Tee(oracle, canary)
     WORKLOADS[case.workload](engine, rng)
