@@ -397,6 +397,34 @@ def write_chunk_vs_serial(mod: Any, fl: Floors, samples: int) -> dict[str, Any]:
     return {"tokens": 16384, "ours_us": ours, "serial_us": serial, "speedup": serial / ours, "records_equal": same}
 
 
+def breakdown(samples: int = 20) -> dict[str, dict[str, float]]:
+    """Per-kernel GPU µs per forward (torch.profiler over graph replays) for a few scenarios."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    out: dict[str, dict[str, float]] = {}
+    for sc in (Scenario("decode bs1 pre512 K", 1, 512, 1), Scenario("decode bs256 pre4096 K", 256, 4096, 1),
+               Scenario("extend bs1 ext16384 K", 1, 0, 16384),
+               Scenario("fp all decode bs256 pre4096 K", 256, 4096, 1, fp="all")):
+        st = State(sc)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            st.forward("cuda")
+        g.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(samples):
+                g.replay()
+            torch.cuda.synchronize()
+        per: dict[str, float] = {}
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+            if t:
+                per[ev.key[:60]] = t / samples
+        out[sc.name] = dict(sorted(per.items(), key=lambda kv: -kv[1])[:8])
+        print(sc.name, json.dumps(out[sc.name], indent=1), flush=True)
+    return out
+
+
 def fp_sweep(fl: Floors) -> dict[str, Any]:
     """Whole-pool fingerprint sweep of a 2 GiB layer (2048 B/token): GB/s and % of read bandwidth."""
     n = 2**20
@@ -443,6 +471,10 @@ def render(results: list[Result], fl: Floors, extra: dict[str, Any], device: str
     for k, v in extra["fp_sweep"].items():
         lines.append(f"Whole-pool fingerprint sweep {k} (1 Mi slots × 2048 B): {v['us']:.0f} µs, {v['GB/s']:.0f} GB/s, "
                      f"{v['pct_read_bw']:.0f}% of read bandwidth.")
+    for name, per in extra.get("breakdown_us", {}).items():
+        lines.append("")
+        lines.append(f"Per-kernel GPU µs per forward, {name} (profiler over graph replays): " +
+                     ", ".join(f"{k.split('(')[0]} {v:.1f}" for k, v in per.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -490,7 +522,11 @@ def main() -> None:
         results.append(r)
         torch.cuda.empty_cache()
     judge(results)
-    extra = {"chunk": write_chunk_vs_serial(mod, fl, args.samples), "fp_sweep": fp_sweep(fl)}
+    extra: dict[str, Any] = {"chunk": write_chunk_vs_serial(mod, fl, args.samples), "fp_sweep": fp_sweep(fl)}
+    try:
+        extra["breakdown_us"] = breakdown()
+    except Exception as exc:  # the profiler is optional: the table above is the record
+        print("breakdown skipped:", exc)
     md = render(results, fl, extra, device)
     print(md)
     data = {"device": device, "torch": torch.__version__, "floors": asdict(fl),

@@ -78,19 +78,25 @@ __device__ __forceinline__ int64_t warp_sum_i64(int64_t v) {
   return v;
 }
 
-// Adds `v` to *dst once per block (block-reduced first); every thread of the block must call it.
-template <int kThreads>
-__device__ __forceinline__ void block_count(int64_t* dst, int64_t v, int64_t* smem /* kThreads/32 */) {
-  v = warp_sum_i64(v);
+// Block totals of K per-thread counts, left in thread 0's v (other threads' v unspecified); all threads call it.
+template <int kThreads, int K>
+__device__ __forceinline__ void block_sum_to_thread0(int64_t (&v)[K], int64_t* smem /* K * kThreads/32 */) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = warp_sum_i64(v[k]);
   __syncthreads();
-  if (lane == 0) smem[warp] = v;
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) smem[warp * K + k] = v[k];
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
-    int64_t s = 0;
 #pragma unroll
-    for (int w = 0; w < kThreads / kWarp; ++w) s += smem[w];
-    if (s != 0) atomic_add_i64(dst, s);
+    for (int k = 0; k < K; ++k) {
+      int64_t s = 0;
+      for (int w = 0; w < kThreads / kWarp; ++w) s += smem[w * K + k];
+      v[k] = s;
+    }
   }
 }
 

@@ -11,6 +11,7 @@ namespace cuda {
 namespace {
 
 constexpr int kVerifyThreads = 256;
+constexpr int64_t kSmemSegments = 2048;
 
 struct VerifyLaunch {
   VerifyParams P;
@@ -20,22 +21,25 @@ struct VerifyLaunch {
   bool vec;  // records 16-byte aligned: vector loads
 };
 
-// The last segment in [lo, hi] with ENTRY_OFFSET <= e (lo's offset is <= e by construction).
-__device__ __forceinline__ int64_t segment_in(const int64_t* plan, int64_t lo, int64_t hi, int64_t e) {
-  while (lo < hi) {
-    const int64_t mid = hi - (hi - lo) / 2;
-    if (plan[mid * kNumPlanCols + col(PlanCol::ENTRY_OFFSET)] <= e) {
-      lo = mid;
+// The last segment with ENTRY_OFFSET <= e among [0, n) (offsets from shared memory when they fit, else the plan).
+__device__ __forceinline__ int64_t segment_of(const int64_t* s_off, const int64_t* plan, int64_t n, int64_t e) {
+  int64_t lo = 0, hi = n - 1, found = -1;
+  while (lo <= hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    const int64_t off = n <= kSmemSegments ? s_off[mid] : plan[mid * kNumPlanCols + col(PlanCol::ENTRY_OFFSET)];
+    if (off <= e) {
+      found = mid;
+      lo = mid + 1;
     } else {
       hi = mid - 1;
     }
   }
-  return lo;
+  return found;
 }
 
-__global__ void __launch_bounds__(kVerifyThreads) verify_kernel(VerifyLaunch L) {
-  __shared__ int64_t s_bounds[2];
-  __shared__ int64_t s_reduce[kVerifyThreads / kWarp];
+__global__ void __launch_bounds__(kVerifyThreads, 3) verify_kernel(VerifyLaunch L) {
+  __shared__ int64_t s_off[kSmemSegments];  // ENTRY_OFFSET of every segment when they fit
+  __shared__ int64_t s_reduce[3 * kVerifyThreads / kWarp];
   const VerifyParams& P = L.P;
   const int64_t nseg = plan_num_segments(L.status, L.plan_cap);
   const int lane = threadIdx.x % kWarp;
@@ -63,21 +67,20 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_kernel(VerifyLaunch L) 
   const bool want_fp = verify_wants_fp(P);
   const int64_t halves = P.halves;
 
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kVerifyThreads; base < total; base += gthreads) {
-    __syncthreads();
-    if (threadIdx.x == 0) s_bounds[0] = plan_segment_of_entry(L.plan, nseg, base);
-    if (threadIdx.x == kVerifyThreads - 1) {
-      const int64_t last_e = base + kVerifyThreads - 1 < total ? base + kVerifyThreads - 1 : total - 1;
-      s_bounds[1] = plan_segment_of_entry(L.plan, nseg, last_e);
+  if (nseg <= kSmemSegments && static_cast<int64_t>(blockIdx.x) * kVerifyThreads < total) {
+    for (int64_t s = threadIdx.x; s < nseg; s += kVerifyThreads) {
+      s_off[s] = L.plan[s * kNumPlanCols + col(PlanCol::ENTRY_OFFSET)];
     }
     __syncthreads();
+  }
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kVerifyThreads; base < total; base += gthreads) {
     const int64_t e_idx = base + threadIdx.x;
     int64_t s = -1;
     bool valid = false;
     int64_t idx = 0;
     const int64_t* seg = L.plan;
-    if (e_idx < total && s_bounds[0] >= 0) {
-      s = segment_in(L.plan, s_bounds[0], s_bounds[1], e_idx);
+    if (e_idx < total) s = segment_of(s_off, L.plan, nseg, e_idx);
+    if (s >= 0) {
       seg = L.plan + s * kNumPlanCols;
       idx = seg[col(PlanCol::IDX_BEGIN)] + (e_idx - seg[col(PlanCol::ENTRY_OFFSET)]);
       valid = verify_segment_ok(P, seg) && idx >= seg[col(PlanCol::IDX_BEGIN)] && idx < seg[col(PlanCol::IDX_END)];
@@ -126,14 +129,15 @@ __global__ void __launch_bounds__(kVerifyThreads) verify_kernel(VerifyLaunch L) 
       if (ok) verify_check_record(P, seg, idx, ent, h, rec[h], pred_ok[h], pred_link[h], fp);
     }
   }
-  for (int64_t h = 0; h < halves; ++h) {
-    block_count<kVerifyThreads>(&P.sink.counters[P.tags[h] * kNumCounterCols + col(CounterCol::ENTRIES_CHECKED)],
-                                checked, s_reduce);
-    block_count<kVerifyThreads>(&P.sink.counters[P.tags[h] * kNumCounterCols + col(CounterCol::SKIPPED)], skipped,
-                                s_reduce);
-    block_count<kVerifyThreads>(&P.sink.counters[P.tags[h] * kNumCounterCols + col(CounterCol::INPUT_ERRORS)],
-                                errors, s_reduce);
-    if (blockIdx.x == 0 && threadIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);
+  int64_t counts[3] = {checked, skipped, errors};
+  block_sum_to_thread0<kVerifyThreads, 3>(counts, s_reduce);
+  if (threadIdx.x == 0) {
+    for (int64_t h = 0; h < halves; ++h) {
+      count(P.sink, P.tags[h], CounterCol::ENTRIES_CHECKED, counts[0]);
+      count(P.sink, P.tags[h], CounterCol::SKIPPED, counts[1]);
+      count(P.sink, P.tags[h], CounterCol::INPUT_ERRORS, counts[2]);
+      if (blockIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);
+    }
   }
 }
 
@@ -223,8 +227,14 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
 
   const DLDevice dev = records.device();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
-  const int grid = sm_count(dev.device_id) *
-                   resident_blocks(verify_kernel, kVerifyThreads, dev.device_id, g_verify_occupancy);
+  // Persistent grid sized from the SM count, but no larger than the most entries the plan's shape allows (each
+  // valid segment holds at most table.cols entries): small forwards launch few blocks.
+  const int64_t full = static_cast<int64_t>(sm_count(dev.device_id)) *
+                       resident_blocks(verify_kernel, kVerifyThreads, dev.device_id, g_verify_occupancy);
+  const int64_t most = table.size(1) > 0 && plan.size(0) > (int64_t{1} << 40) / table.size(1)
+                           ? (int64_t{1} << 40)
+                           : plan.size(0) * table.size(1);
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(full, ceil_div(most, kVerifyThreads))));
   verify_kernel<<<grid, kVerifyThreads, 0, stream_of(dev)>>>(L);
   check_launch();
 }

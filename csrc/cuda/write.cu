@@ -65,7 +65,18 @@ __device__ __forceinline__ WriteCarry block_reduce_prefix(const WriteArgs& a, co
   const int64_t per = (n + kWriteThreads - 1) / kWriteThreads;
   const int64_t lo = threadIdx.x * per, hi = lo + per < n ? lo + per : n;
   WriteCarry c = write_carry_identity();
-  for (int64_t j = lo; j < hi; ++j) c = write_carry_compose(c, write_entry_carry(write_entry_load(a, row, j)));
+  constexpr int kBatch = 8;  // independent loads in flight before the serial composition
+  for (int64_t j = lo; j < hi; j += kBatch) {
+    WriteEntry e[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (j + u < hi) e[u] = write_entry_load(a, row, j + u);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (j + u < hi) c = write_carry_compose(c, write_entry_carry(e[u]));
+    }
+  }
   // Ordered block reduce: a scan with no heads, read the last thread's inclusive value.
   const ScanElem inc = block_segmented_scan(ScanElem{false, c}, sh);
   __syncthreads();
@@ -109,7 +120,7 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
   __shared__ BlockSumScratch<kWriteThreads, 1> sh_sum;
   __shared__ int64_t s_mark[kWriteThreads * kItems];     // segment whose first in-tile entry is here, -1 = none
   __shared__ int64_t s_first_j[kWriteThreads * kItems];  // that entry's index inside its segment
-  __shared__ int64_t s_reduce[kWarpsPerBlock];
+  __shared__ int64_t s_reduce[3 * MAX_HALVES * kWarpsPerBlock];
   __shared__ uint64_t s_fp[kFp ? kWriteThreads : 1][MAX_HALVES];
   __shared__ int64_t s_fp_slot[kFp ? kWriteThreads : 1];
   __shared__ int64_t s_fp_pos[kFp ? kWriteThreads : 1];
@@ -248,13 +259,19 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     __syncthreads();
   }
 
+  const int64_t* seed_row = nullptr;  // consecutive items of one segment share its seeds
+  WriteSeed seeds[MAX_HALVES] = {{false, 0, 0}, {false, 0, 0}};
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
     if (it[i].row == nullptr) continue;
     const int64_t* row = it[i].row;
     const WriteEntry& e = it[i].e;
+    if (row != seed_row) {
+      for (int64_t h = 0; h < a.halves; ++h) seeds[h] = write_seed_value(a, row, h);
+      seed_row = row;
+    }
     for (int64_t h = 0; h < a.halves; ++h) {
-      const WriteSeed seed = write_seed_value(a, row, h);
+      const WriteSeed& seed = seeds[h];
       if (!seed.ok) {
         if (e.j == 0) write_emit_seed_error(a, row, h);
         continue;
@@ -271,12 +288,13 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
   }
   __syncthreads();
   }  // tile loop
-  for (int64_t h = 0; h < a.halves; ++h) {
-    const int64_t base = a.tags[h] * kNumCounterCols;
-    block_count<kWriteThreads>(&a.sink.counters[base + col(CounterCol::ENTRIES_WRITTEN)], tally[h].written, s_reduce);
-    block_count<kWriteThreads>(&a.sink.counters[base + col(CounterCol::INPUT_ERRORS)], tally[h].input_errors,
-                               s_reduce);
-    block_count<kWriteThreads>(&a.sink.counters[base + col(CounterCol::SKIPPED)], tally[h].skipped, s_reduce);
+  int64_t counts[3 * MAX_HALVES] = {tally[0].written, tally[0].input_errors, tally[0].skipped,
+                                    tally[1].written, tally[1].input_errors, tally[1].skipped};
+  block_sum_to_thread0<kWriteThreads, 3 * MAX_HALVES>(counts, s_reduce);
+  if (threadIdx.x == 0) {
+    for (int64_t h = 0; h < a.halves; ++h) {
+      write_tally_flush(a, h, WriteTally{counts[3 * h], counts[3 * h + 1], counts[3 * h + 2]});
+    }
   }
 }
 
@@ -296,7 +314,9 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const cudaStream_t stream = stream_of(dev);
   // At least one block: it reports range errors and counts the run even with no tokens.
-  if (a.fp_table == nullptr) {
+  if (a.fp_table == nullptr && a.num_tokens <= kWriteThreads) {  // decode-sized: one item per thread, one block
+    write_kernel<1, false><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads);
+  } else if (a.fp_table == nullptr) {
     const int64_t tile = kWriteThreads * kItemsNoFp;
     const int64_t grid = a.num_tokens > 0 ? ceil_div(a.num_tokens, tile) : 1;
     write_kernel<kItemsNoFp, false><<<static_cast<unsigned>(grid), kWriteThreads, 0, stream>>>(a, tile);

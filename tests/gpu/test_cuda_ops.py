@@ -218,7 +218,7 @@ def test_graph_capture_and_replay_with_changed_batches() -> None:
         bracket("cuda", *args)
     for seed in range(4):
         rng = random.Random(seed)
-        pres = [rng.randrange(0, 700) for _ in range(bs)]
+        pres = [rng.randrange(1, 700) for _ in range(bs)]
         exts = [rng.randrange(0, 190) for _ in range(bs)]
         b = make_batch(50 + seed, bs=bs, prefix=pres, ext=exts, halves=2, corrupt=seed, reserved=1,
                        contiguous=seed % 2 == 0)
@@ -244,6 +244,8 @@ def test_graph_capture_and_replay_with_changed_batches() -> None:
         pos.zero_()
         loc.fill_(-1)
         ids[:n], pos[:n], loc[:n] = b.ids, b.pos, b.loc
+        if seed:  # one corrupted prefix record that HEAD verify must report inside the replay
+            head.records[int(table[0, pres[0] // 2]), 1, 2] ^= 1
         for tnsr in (sink.rows, sink.count, sink.counters):
             tnsr.zero_()
         sink.step.fill_(seed)
