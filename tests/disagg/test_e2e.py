@@ -128,6 +128,28 @@ def test_stale_transfer_is_caught_by_token_truth(model: str) -> None:
     _token_truth_only(r, "req3", model)
 
 
+@pytest.mark.parametrize("fault", [FaultName.SWAP, FaultName.STALE])
+def test_foreign_chains_need_token_truth(fault: FaultName) -> None:
+    """Negative control: without token truth the swapped/stale KV is decoded silently into wrong outputs."""
+    r = run("full", fault, target=1, token_truth="off")
+    assert r["failed"] == {} and r["decode_violations"] == 0
+    assert r["outputs_match_reference"] is False
+
+
+def test_expected_token_pool_also_catches_a_swap() -> None:
+    r = run("swa", FaultName.SWAP, target=1, token_truth="pool")
+    _assert_contained(r, ["req1", "req2"])
+    assert all(reason in ("verify_token", "write_token") for _, reason in _reasons(r, "req1"))
+
+
+def test_truncated_layers_need_all_layer_coverage() -> None:
+    """Negative control: fingerprints of the first layer only cannot see that the last layer never arrived (and the
+    greedy outputs need not change either: the zeroed layer goes unnoticed end to end)."""
+    r = run("full", FaultName.TRUNCATE_LAYERS, target=1, layer_coverage="first")
+    assert r["faults_fired"][0]["missing"] == ["kv.k2", "kv.v2"]
+    assert r["failed"] == {} and r["decode_violations"] == 0
+
+
 def test_bad_length_rejects_only_that_request() -> None:
     r = run("full", FaultName.BAD_LENGTH, target=1)
     assert r["failed"] == {"req1": "rejected"}

@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], argpa
                    help="seconds to wait for the next OFFER or a GRANT (default 6 x --timeout)")
     p.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
                    help="forkserver: import torch once for many runs (campaigns)")
+    p.add_argument("--token-truth", choices=("off", "chain", "pool"), default="chain")
+    p.add_argument("--layer-coverage", choices=("first", "all", "sample"), default="all")
     p.add_argument("--no-canary", action="store_true")
     p.add_argument("--no-reference", action="store_true")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -46,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[LaunchConfig], argpa
     names = [f for f in FaultName if f != FaultName.NONE] if a.fault == "all" else [FaultName(a.fault)]
     base = LaunchConfig(device=a.device, workload=workload, canary=not a.no_canary, backend=a.backend,
                         timeout_s=a.timeout, idle_timeout_s=a.idle_timeout, reference=not a.no_reference,
-                        page_size=a.page_size, start_method=a.start_method)
+                        page_size=a.page_size, start_method=a.start_method, token_truth=a.token_truth,
+                        layer_coverage=a.layer_coverage)
     return [dataclasses.replace(base, model=m, fault=FaultSpec(f, a.target, a.fault_seed, a.layers))
             for m in a.model for f in names], a
 

@@ -40,6 +40,8 @@ class LaunchConfig:
     fault: FaultSpec = field(default_factory=FaultSpec)
     canary: bool = True
     backend: str = "auto"
+    token_truth: str = "chain"  # off / chain / pool
+    layer_coverage: str = "all"  # first / all / sample
     timeout_s: float = 10.0  # a transfer step (payload, ACK)
     idle_timeout_s: float | None = None  # waiting for the next OFFER or a GRANT; None: 6 x timeout_s
     reference: bool = True  # decode side re-runs the workload on one engine and compares outputs
@@ -63,9 +65,9 @@ def make_canary(engine: Engine, cfg: LaunchConfig) -> CanaryBinding | None:
     """Install the canary runtime on a role's engine (None when disabled)."""
     if not cfg.canary:
         return None
-    from .runtime_glue import install_on_engine
+    from .runtime_glue import install_on_engine, transfer_config
 
-    return install_on_engine(engine, cfg.backend)
+    return install_on_engine(engine, transfer_config(cfg.backend, cfg.token_truth, cfg.layer_coverage))
 
 
 def _role_main(rank: int, cfg: LaunchConfig, port: int, out: str) -> None:
@@ -162,7 +164,8 @@ def summarize(cfg: LaunchConfig, prefill: dict[str, Any], decode: dict[str, Any]
         "faults_fired": decode.get("faults_fired", []),
         "seconds": {"prefill": prefill.get("seconds"), "decode": decode.get("seconds")},
         "config": {"timeout_s": cfg.timeout_s, "idle_timeout_s": cfg.idle_s, "backend": cfg.backend,
-                   "canary": cfg.canary,
+                   "canary": cfg.canary, "token_truth": cfg.token_truth,
+                   "layer_coverage": cfg.layer_coverage,
                    "workload": asdict(cfg.workload), "page_size": cfg.page_size},
     }
 

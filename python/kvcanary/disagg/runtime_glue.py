@@ -14,11 +14,12 @@ from kvcanary.engine.hooks import EngineHooks
 from kvcanary.report import CallbackSink, Violation, WindowReport
 
 
-def transfer_config(backend: str = "auto") -> CanaryConfig:
-    """LOG mode, fingerprints of every byte of every layer (a truncated transfer misses whole layers), chain truth."""
-    return CanaryConfig(mode=CanaryMode.LOG, fingerprint=FingerprintMode.ALL, layer_coverage=LayerCoverage.ALL,
-                        token_truth=TokenTruth.CHAIN, backend=backend, sweep_interval=0, stats_interval=0,
-                        req_capacity=64, token_capacity=1024)
+def transfer_config(backend: str = "auto", token_truth: str = "chain", layer_coverage: str = "all") -> CanaryConfig:
+    """LOG mode, fingerprints of every byte; by default of every layer (a truncated transfer misses whole layers)
+    and with chain token truth (a foreign but self-consistent chain is invisible without it)."""
+    return CanaryConfig(mode=CanaryMode.LOG, fingerprint=FingerprintMode.ALL,
+                        layer_coverage=LayerCoverage(layer_coverage), token_truth=TokenTruth[token_truth.upper()],
+                        backend=backend, sweep_interval=0, stats_interval=0, req_capacity=64, token_capacity=1024)
 
 
 class RoleCanary:
@@ -48,6 +49,6 @@ class RoleCanary:
         return out
 
 
-def install_on_engine(engine: Engine, backend: str = "auto") -> RoleCanary:
-    """Install the canary with the transfer configuration on an engine."""
-    return RoleCanary(engine, transfer_config(backend))
+def install_on_engine(engine: Engine, config: CanaryConfig | None = None) -> RoleCanary:
+    """Install the canary on an engine (default: the transfer configuration)."""
+    return RoleCanary(engine, config if config is not None else transfer_config())
