@@ -110,7 +110,7 @@ __device__ __forceinline__ uint64_t fp_lane_terms(const FpSource& s, int64_t j, 
   for (; c + 3 * kWarp < chunks; c += 4 * kWarp) {
     ulonglong2 w[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) w[u] = __ldg(row + c + u * kWarp);
+    for (int u = 0; u < 4; ++u) w[u] = __ldcs(row + c + u * kWarp);
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int64_t i = 2 * (c + u * kWarp);
@@ -118,7 +118,7 @@ __device__ __forceinline__ uint64_t fp_lane_terms(const FpSource& s, int64_t j, 
     }
   }
   for (; c < chunks; c += kWarp) {
-    const ulonglong2 w = __ldg(row + c);
+    const ulonglong2 w = __ldcs(row + c);
     acc += fp_word_term(w.x, j, 2 * c) + fp_word_term(w.y, j, 2 * c + 1);
   }
   return acc;
@@ -150,7 +150,7 @@ __device__ __forceinline__ uint64_t fingerprint_thread(const int64_t* table, int
     const ulonglong2* row = reinterpret_cast<const ulonglong2*>(fp_row(s, slot));
     const int64_t chunks = fp_read_words(s, mode) / 2;
     for (int64_t c = 0; c < chunks; ++c) {
-      const ulonglong2 w = __ldg(row + c);
+      const ulonglong2 w = __ldcs(row + c);
       acc += fp_word_term(w.x, j, 2 * c) + fp_word_term(w.y, j, 2 * c + 1);
     }
   }

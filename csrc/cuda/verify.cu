@@ -37,7 +37,7 @@ __device__ __forceinline__ int64_t segment_of(const int64_t* s_off, const int64_
   return found;
 }
 
-__global__ void __launch_bounds__(kVerifyThreads, 3) verify_kernel(VerifyLaunch L) {
+__global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch L) {
   __shared__ int64_t s_off[kSmemSegments];  // ENTRY_OFFSET of every segment when they fit
   __shared__ int64_t s_reduce[3 * kVerifyThreads / kWarp];
   const VerifyParams& P = L.P;
