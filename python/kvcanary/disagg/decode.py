@@ -1,8 +1,4 @@
-"""Decode role: allocate own slots per offered request, receive KV rows and canary records into them, decode.
-
-The transferred prefix is verified by the request's first decode forward (HEAD/TAIL verify of [0, prefix_len),
-with token truth from this side's own knowledge of the prompt); a violation fails only that request.
-"""
+"""Decode role: own slots per offered request, KV rows and canary records received into them, then decoding."""
 
 from __future__ import annotations
 
@@ -16,12 +12,16 @@ from kvcanary.engine.scheduler import ReqState, Request
 from .canary import CanaryBinding, engine_layout
 from .engines import DecodeEngine, request_id
 from .errors import TransferError, TransferProtocolError
-from .prefill import RoleReport, handshake
+from .session import RoleReport, handshake
 from .transport import Channel, Delivery, FaultName, FaultSpec, FaultSwitch, Message, MsgKind, Status
 
 
 class DecodeRole:
-    """Receives transfers, installs them (relocated), decodes, and fails requests whose transfer is corrupt."""
+    """Receives transfers, installs them (relocated), decodes, and fails requests whose transfer is corrupt.
+
+    The transferred prefix is verified by the request's first decode forward (HEAD/TAIL verify of [0, prefix_len)
+    with token truth from this side's own knowledge of the prompt); a violation fails only that request.
+    """
 
     def __init__(self, engine: DecodeEngine, canary: CanaryBinding | None, channel: Channel, fault: FaultSpec,
                  requests: list[Request]) -> None:

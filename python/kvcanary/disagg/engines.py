@@ -1,5 +1,4 @@
-"""Reference-engine glue for the two roles: a prefill engine that hands off finished prompts, a decode engine
-that installs transferred requests into slots of its own, the model presets and the seeded workload."""
+"""Reference-engine glue for the roles: hand-off after prefill, install into own slots, model presets, workload."""
 
 from __future__ import annotations
 
