@@ -13,6 +13,7 @@ import torch
 from hf_util import PAGE, cb_config, full_alloc, gen_config, run_manager, shared_prefix_prompts, tiny_llama
 from kvcanary.config import CanaryConfig
 from kvcanary.integrations import transformers as kt
+from kvcanary.manager import CanaryManager
 from kvcanary.report import CanaryViolationError
 from kvcanary_schema import FailReason, LaunchTag
 
@@ -21,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # a small but not toy model: 8 layers, 8 KV heads of 64 (1 KiB K row in bf16), page 16
 MODEL = {"vocab_size": 2048, "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8,
          "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 2048}
-BATCH, PREFIX, TAIL, NEW, REPEATS = 16, 192, 64, 32, 3
+BATCH, PREFIX, TAIL, NEW, REPEATS = 16, 192, 64, 32, 5
 
 
 @pytest.fixture(scope="module")
@@ -33,41 +34,86 @@ def _prompts() -> list[list[int]]:
     return shared_prefix_prompts(PREFIX, [TAIL + i for i in range(BATCH)])
 
 
-def _run(model: Any, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
+def _run(model: Any, prompts: list[list[int]], steps: list[float]) -> tuple[float, list[list[int]]]:
+    """One generate_batch; appends the time of each generation step (synchronized) to ``steps``; returns the sum."""
+    n = len(steps)
     out = model.generate_batch(prompts, generation_config=gen_config(NEW),
                                continuous_batching_config=cb_config(1024, num_blocks=1024), warmup=False)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t, [r.generated_tokens for r in out.values()]
+    return sum(steps[n:]), [r.generated_tokens for r in out.values()]
 
 
 def _config(fingerprint: str) -> CanaryConfig:
     return CanaryConfig(mode="raise", fingerprint=fingerprint, layer_coverage="all", sweep_interval=8, backend="cuda")
 
 
-def test_overhead_per_step(model: Any) -> None:
-    """Median wall time of a whole generate_batch with and without kvcanary, divided by its forwards."""
+def test_overhead_per_step(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per generation step: transformers' step time (synchronized) with and without kvcanary (runs interleaved,
+    medians), the bracket's host time, and the GPU time of the canary's HEAD and TAIL launches (CUDA events).
+
+    generate_batch's wall time is dominated by its polling loop, so the steps themselves are timed.
+    """
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    steps: list[float] = []
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    orig_step = ContinuousBatchingManager._generation_step
+
+    def timed(self: Any) -> None:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        orig_step(self)
+        torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t)
+
+    def evented(orig: Any) -> Any:
+        def run(self: CanaryManager) -> None:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            orig(self)
+            b.record()
+            spans.append((a, b))
+        return run
+
+    monkeypatch.setattr(ContinuousBatchingManager, "_generation_step", timed)
+    monkeypatch.setattr(CanaryManager, "pre_forward", evented(CanaryManager.pre_forward))
+    monkeypatch.setattr(CanaryManager, "post_forward", evented(CanaryManager.post_forward))
     prompts = _prompts()
-    _run(model, prompts)  # warm the allocator and kernels
-    base_times, base = zip(*(_run(model, prompts) for _ in range(REPEATS)), strict=True)
+    variants = ("baseline", "none", "all")
+    step_ms: dict[str, list[float]] = {v: [] for v in variants}
+    host_ms: dict[str, list[float]] = {v: [] for v in variants[1:]}
+    gpu_ms: dict[str, list[float]] = {v: [] for v in variants[1:]}
+    tokens: dict[str, list[list[int]]] = {}
+    forwards = 0
+    for rep in range(REPEATS + 1):  # repetition 0 warms up (allocator, JIT build)
+        for v in variants:
+            handle = kt.install(model, _config(v)) if v != "baseline" else None
+            n, k = len(steps), len(spans)
+            try:
+                total, out = _run(model, prompts, steps)
+            finally:
+                if handle is not None:
+                    handle.uninstall()
+            forwards = len(steps) - n
+            tokens.setdefault(v, out)
+            assert out == tokens["baseline"], f"kvcanary ({v}) changed the generated tokens"
+            if handle is not None:
+                assert handle.total_violations == 0 and handle.errors == [] and handle.stats["forwards"] == forwards
+            if rep == 0:
+                continue
+            step_ms[v].append(1e3 * total / forwards)
+            if handle is not None:
+                torch.cuda.synchronize()
+                host_ms[v].append(1e-3 * handle.stats["bracket_us"] / forwards)
+                gpu_ms[v].append(sum(a.elapsed_time(b) for a, b in spans[k:]) / forwards)
+    med = statistics.median
     results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                "batch": BATCH, "prompt_tokens": PREFIX + TAIL, "new_tokens": NEW, "page_size": PAGE,
-                               "model": MODEL, "dtype": "bfloat16", "baseline_s": statistics.median(base_times)}
-    for fp in ("none", "all"):
-        with kt.install(model, _config(fp)) as handle:
-            _run(model, prompts)  # JIT build / first launches
-            before = handle.stats["forwards"]
-            times, outs = zip(*(_run(model, prompts) for _ in range(REPEATS)), strict=True)
-            forwards = (handle.stats["forwards"] - before) // REPEATS
-        assert all(o == base[0] for o in outs), "kvcanary changed the generated tokens"
-        assert handle.total_violations == 0 and handle.errors == []
-        med = statistics.median(times)
-        results[f"fingerprint_{fp}"] = {
-            "canary_s": med, "forwards": forwards,
-            "overhead_ms_per_step": 1e3 * (med - results["baseline_s"]) / forwards,
-            "baseline_ms_per_step": 1e3 * results["baseline_s"] / forwards,
-            "prefix_hit_tokens": handle.stats["prefix_hit_tokens"]}
+                               "model": MODEL, "dtype": "bfloat16", "forwards_per_run": forwards, "repeats": REPEATS,
+                               "baseline_ms_per_step": med(step_ms["baseline"])}
+    for v in variants[1:]:
+        results[f"fingerprint_{v}"] = {
+            "ms_per_step": med(step_ms[v]), "overhead_ms_per_step": med(step_ms[v]) - med(step_ms["baseline"]),
+            "bracket_host_ms_per_step": med(host_ms[v]), "canary_gpu_ms_per_step": med(gpu_ms[v])}
     print(json.dumps(results, indent=1))
     out_dir = os.environ.get("KVCANARY_RESULTS_DIR")
     if out_dir:
@@ -94,3 +140,19 @@ def test_cached_block_corruption_detected_on_cuda(model: Any) -> None:
     assert info.value.request_ids == ["r1"]
     assert {v.tag for v in vs} == {LaunchTag.TAIL_V_FULL}
     assert all(v.reasons == FailReason.VERIFY_FINGERPRINT for v in vs)
+
+
+def test_cuda_graphs_clean(model: Any) -> None:
+    """use_cuda_graph=True: the bracket runs eagerly around captured/replayed forwards; same tokens, no violations."""
+    prompts = shared_prefix_prompts(40, (5, 9, 17, 3))
+
+    def run() -> list[list[int]]:
+        out = model.generate_batch(prompts, generation_config=gen_config(12),
+                                   continuous_batching_config=cb_config(256, use_cuda_graph=True), warmup=True)
+        return [r.generated_tokens for r in out.values()]
+
+    ref = run()
+    with kt.install(model, _config("all")) as handle:
+        out = run()
+    assert out == ref and handle.total_violations == 0 and handle.errors == []
+    assert handle.stats["forwards"] >= 12 and handle.stats.get("write_problems", 0) == 0, handle.stats
