@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -81,6 +82,10 @@ def _role_main(rank: int, cfg: LaunchConfig, port: int, out: str) -> None:
     Path(out).write_text(json.dumps(report, default=str))
     if clean:
         dist.destroy_process_group()
+    else:  # a process group with a dead peer may block in its teardown: the report is written, leave now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _run_role(rank: int, cfg: LaunchConfig, port: int) -> tuple[dict[str, Any], bool]:

@@ -130,7 +130,7 @@ def _classify(err: BaseException, what: str, timeout_s: float) -> TransferError:
     if "timed out" in text or "timeout" in text:
         return TransferTimeoutError(f"{what}: no answer from the peer within {timeout_s:g} s")
     if any(s in text for s in ("connection", "reset", "closed", "broken pipe", "read error", "write error", "eof",
-                               "peer")):
+                               "peer", "remote", "exited", "abort")):
         return PeerLostError(f"{what}: the peer is gone ({str(err).splitlines()[0][:200]})")
     return TransferError(f"{what}: {str(err).splitlines()[0][:200]}")
 
