@@ -16,7 +16,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_NCCL_BLOCKING_WAIT=1 TORCH_NCCL_ASYNC_ERROR_HAND
   # build the CUDA module once, before two role processes would race to JIT-build it
   time python3 -c "from kvcanary import _native; _native.module('cuda'); print('cuda module ok')"
   echo "=== tests $(date -u +%T)"
-  timeout 300 python3 -m pytest -q -m gpu tests/disagg/test_gpu.py -p no:cacheprovider \
+  timeout 300 python3 -m pytest -q -m gpu tests/disagg/test_disagg_gpu.py -p no:cacheprovider \
     --junitxml="$OUT/junit_disagg.xml" -o junit_family=xunit2 2>&1 | tail -30
   echo "=== clean runs $(date -u +%T)"
   timeout 200 python3 -m kvcanary.disagg --device cuda --model full swa wide --requests 16 --json \
