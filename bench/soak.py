@@ -143,15 +143,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="keep the chunks of an earlier run with the same --out")
     p.add_argument("--deadline", type=float, default=0.0, help="stop scheduling after this many seconds (0 = none)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2000 forwards, 2 trials per case")
+    p.add_argument("--summarize-only", action="store_true", help="rewrite <out>.json/.md from the checkpoint")
     a = p.parse_args(argv)
     from kvcanary import campaign as C
     if a.quick:
         a.forwards, a.trials = 2000, 2 * len(C.CASES)
     out = Path(a.out)
     ckpt = out.with_suffix(".chunks.jsonl")
-    if not a.resume and ckpt.exists():
+    if not a.resume and not a.summarize_only and ckpt.exists():
         ckpt.unlink()
     done = _load(ckpt)
+    if a.summarize_only:
+        old = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}
+        meta = {k: old[k] for k in ("command", "device", "backend", "workers", "machine", "wall_seconds", "finished",
+                                    "complete", "target_forwards", "target_trials") if k in old}
+        summary = summarize(list(done.values()), meta)
+        out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+        out.with_suffix(".md").write_text(markdown(summary))
+        return 0 if summary["ok"] else 1
     t0 = time.time()
     per_case = math.ceil(a.trials / len(C.CASES))
     fault_tasks = [(c.name, a.seed + i, a.device, a.backend) for i in range(per_case) for c in C.CASES]

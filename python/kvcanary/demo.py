@@ -52,17 +52,21 @@ class Progress:
 
 
 def _resolve_backend(backend: str, device: str) -> str:
-    """``auto``: cuda on GPUs; on CPU the C++ backend when it builds, else the torch reference."""
-    if backend != "auto":
-        return backend
-    if device.startswith("cuda"):
-        return "cuda"
-    try:
-        from kvcanary import _native
-        _native.module("cpu")
-        return "cpu"
-    except KVCanaryError:
-        return "torch"
+    """``auto``: cuda on GPUs; on CPU the C++ backend when it builds, else the torch reference. A native backend is
+    loaded (JIT-built on first use) here, before anything is timed."""
+    from kvcanary import _native
+    if backend == "auto":
+        if device.startswith("cuda"):
+            backend = "cuda"
+        else:
+            try:
+                _native.module("cpu")
+                return "cpu"
+            except KVCanaryError:
+                return "torch"
+    if backend in ("cpu", "cuda"):
+        _native.module(backend)
+    return backend
 
 
 def _tags_active(canary: EngineCanary) -> list[str]:
@@ -229,7 +233,11 @@ def run_demo(args: argparse.Namespace) -> int:
     if device == "cpu":
         C.set_cpu_threads()
     logging.getLogger("kvcanary").setLevel(logging.ERROR)  # LOG mode's warnings would flood the fault campaign
-    backend = _resolve_backend(str(args.backend), device)
+    try:
+        backend = _resolve_backend(str(args.backend), device)
+    except KVCanaryError as exc:
+        print(f"kvcanary demo: {exc}", file=sys.stderr)
+        return 2
     quiet = bool(args.json)
     try:
         C.select(str(args.faults))

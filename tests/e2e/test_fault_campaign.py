@@ -57,12 +57,26 @@ def test_token_truth_is_what_catches_it(case: C.FaultCase, backend: str) -> None
     assert without.fired and not without.ok, f"{case.name} caught without token truth: {without}"
 
 
+STRUCTURAL = [c for c in C.CASES if c.needs.startswith("chain")]
+
+
+@pytest.mark.parametrize("case", STRUCTURAL, ids=[c.name for c in STRUCTURAL])
+def test_structural_faults_need_neither_truth_nor_fingerprints(case: C.FaultCase, backend: str) -> None:
+    """What the table calls chain/position faults is caught with token truth and fingerprints both off."""
+    trial = effective_trial(case, 5, backend, token_truth=TokenTruth.OFF, fingerprint=FingerprintMode.NONE)
+    assert trial.ok, trial
+
+
 def test_fingerprints_are_what_catch_kv_corruption(backend: str) -> None:
-    """KV byte corruption (modes that need fingerprints) is refused without fingerprints: nothing else sees it."""
+    """KV byte corruption is invisible without fingerprints (the perturbation modes even refuse to run)."""
     from kvcanary.errors import CanaryInputError
-    case = C.CASES_BY_NAME["perturb:multi_bit_flip"]
     with pytest.raises(CanaryInputError):
-        C.run_trial(case, 0, backend=backend, fingerprint=FingerprintMode.NONE)
+        C.run_trial(C.CASES_BY_NAME["perturb:multi_bit_flip"], 0, backend=backend, fingerprint=FingerprintMode.NONE)
+    case = C.CASES_BY_NAME["padding_write_live_slot"]
+    with_fp = effective_trial(case, 4, backend)
+    assert with_fp.ok
+    without = C.run_trial(case, with_fp.seed, backend=backend, fingerprint=FingerprintMode.NONE)
+    assert without.fired and not without.detected
 
 
 def test_case_table_covers_bug_classes_and_perturb_modes() -> None:
