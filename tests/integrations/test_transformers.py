@@ -125,6 +125,26 @@ def test_clean_persistent_manager_across_calls(llama: Any, prompts: list[list[in
     assert handle.total_violations == 0 and handle.errors == [] and no_wrappers_left(llama)
 
 
+def test_clean_under_memory_pressure(llama: Any) -> None:
+    """16 blocks for 6 requests: cached blocks are evicted and a request is soft-reset (freed, re-prefilled under the
+    same id); sweeps every forward see only valid chains."""
+    prompts = shared_prefix_prompts(40, (5, 9, 17, 3, 21, 30))
+
+    def run() -> list[list[int]]:
+        out = llama.generate_batch(prompts, generation_config=gen_config(20),
+                                   continuous_batching_config=cb_config(64, num_blocks=16), warmup=False)
+        return [r.generated_tokens for r in out.values()]
+
+    ref = run()
+    with kt.install(llama, raise_config(sweep_interval=1)) as handle:
+        out = run()
+        canary = handle.last_canary
+    st = handle.stats
+    assert out == ref and handle.total_violations == 0
+    assert st["evictions"] >= 1 and st["requests_released"] > len(prompts), st  # a soft reset released one twice
+    assert canary is not None and canary.sweeps_completed == st["forwards"]
+
+
 def test_clean_fork_copies_records(llama: Any, prompts: list[list[int]]) -> None:
     """num_return_sequences=3: forks copy their partial blocks, and the canary records with them."""
     handle = kt.install(llama, raise_config())
@@ -219,6 +239,29 @@ def test_corrupt_cached_prefix_block_before_hit(llama: Any, prompts: list[list[i
     assert v.reasons & FailReason.VERIFY_FINGERPRINT and v.position == 3 and v.request_id == "r1"
     assert v.slot == corrupted["block"] * PAGE + 3
     assert tags(err.violations) == {tag}  # HEAD (no fingerprint) saw nothing: the records are intact
+
+
+def test_sweep_catches_corruption_of_a_block_nobody_reads(llama: Any, prompts: list[list[int]]) -> None:
+    """A cached block that no later request hits is only reachable by the sweep (SWEEP tag, no request)."""
+    def corrupt(mgr: Any, i: int) -> None:
+        if i == 0:
+            alloc = full_alloc(mgr.batch_processor)
+            h0 = kt_block_hash(prompts[0][:PAGE])
+            shared = {alloc.ledger.hash_to_block[h] for h in (h0, kt_block_hash_chain(h0, prompts[0][PAGE:2 * PAGE]))}
+            (block,) = set(alloc.ledger.cached_blocks) - shared  # r0's third block: positions 32..47
+            alloc._kv_token_views[0][0][block * alloc.block_physical_stride + 7].mul_(2.0)
+
+    with kt.install(llama, raise_config(sweep_interval=1)):
+        err = expect_violation(lambda: run_manager(llama, prompts[:2], sequential=True, between=corrupt,
+                                                   max_new_tokens=6))
+    assert tags(err.violations) == {LaunchTag.SWEEP_K_FULL} and err.request_ids == []
+    assert [(v.position, v.reasons) for v in err.violations] == [(2 * PAGE + 7, FailReason.VERIFY_FINGERPRINT)]
+
+
+def kt_block_hash_chain(parent: int, tokens: list[int]) -> int:
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
+
+    return int(compute_block_hash(parent, tokens))
 
 
 def kt_block_hash(tokens: list[int]) -> int:
