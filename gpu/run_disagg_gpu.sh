@@ -15,12 +15,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_NCCL_BLOCKING_WAIT=1 TORCH_NCCL_ASYNC_ERROR_HAND
   nvidia-smi --query-gpu=name,memory.total --format=csv
   date -u
   # build the CUDA module once, before two role processes would race to JIT-build it
-  time timeout 120 python3 -c "from kvcanary import _native; _native.module('cuda'); print('cuda module ok')"
+  time timeout 60 python3 -c "from kvcanary import _native; _native.module('cuda'); print('cuda module ok')"
   echo "=== tests $(date -u +%T)"
-  timeout 240 python3 -m pytest -q -m gpu tests/disagg/test_disagg_gpu.py -p no:cacheprovider \
+  timeout 200 python3 -m pytest -q -m gpu tests/disagg/test_disagg_gpu.py -p no:cacheprovider \
     --junitxml="$OUT/junit_disagg.xml" -o junit_family=xunit2 2>&1 | tail -30
   echo "=== clean runs $(date -u +%T)"
-  timeout 120 python3 -m kvcanary.disagg --device cuda --model full swa wide --requests 16 --json \
+  timeout 100 python3 -m kvcanary.disagg --device cuda --model full swa wide --requests 16 --json \
     --out "$OUT/disagg_gpu.json" > /dev/null; echo "rc=$?"
   python3 -c "
 import json; d = json.load(open('$OUT/disagg_gpu.json'))
