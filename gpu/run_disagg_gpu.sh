@@ -3,7 +3,7 @@
 # launcher's clean runs (overhead figures) and fault campaign. Everything lands in $OUT:
 #   log.txt, junit_disagg.xml, disagg_gpu.json (clean runs: swa/wide), disagg_gpu_faults.json.
 # Needs a machine with 2 GPUs (kind nvidia-h200-x2) and the tvm-ffi wheel in .whl (../shared/tools/fetch-gpu-wheels).
-# Budget: about 6 minutes (each launch spawns two fresh processes); the steps' timeouts add up to under 10.
+# Budget: about 6 minutes (each launch spawns two fresh processes); the step timeouts add up to 580 s.
 # Usage (repo root): bash gpu/run_disagg_gpu.sh
 set -o pipefail
 OUT=${OUT:-/tmp/out}
