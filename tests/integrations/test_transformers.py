@@ -465,10 +465,18 @@ def test_mode_none_installs_nothing(llama: Any) -> None:
 
 
 def test_uninstall_refused_while_running_and_restores_exactly(llama: Any) -> None:
+    """uninstall() needs a stopped manager, then puts back the very objects it found (here a user's own wrapper)."""
     mgr = llama.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
-    sentinel = object()
-    mgr.get_result_marker = sentinel  # unrelated instance attributes survive
+    plain = mgr.get_result
+
+    def users_get_result(*a: Any, **k: Any) -> Any:
+        return plain(*a, **k)
+
+    mgr.get_result = users_get_result
     handle = kt.install(mgr, raise_config())
+    assert mgr.get_result is not users_get_result
+    with pytest.raises(kt.TransformersIntegrationError, match="already installed"):
+        kt.install(mgr, raise_config())
     mgr.start()
     try:
         with pytest.raises(kt.TransformersIntegrationError, match="stop"):
@@ -477,7 +485,9 @@ def test_uninstall_refused_while_running_and_restores_exactly(llama: Any) -> Non
         mgr.stop(block=True)
     handle.uninstall()
     mgr.destroy()
-    assert no_wrappers_left(mgr) and mgr.get_result_marker is sentinel
+    assert mgr.get_result is users_get_result
+    del mgr.get_result
+    assert no_wrappers_left(mgr)
 
 
 def test_history_sequence() -> None:

@@ -73,10 +73,16 @@ class _Patches:
 
     def wrap(self, obj: object, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         """Replace ``obj.name`` by ``make(current bound callable)``."""
+        current = getattr(obj, name)
+        if getattr(current, "__kvcanary__", False):
+            raise TransformersIntegrationError(f"kvcanary is already installed on this {type(obj).__name__} "
+                                               "(uninstall the other handle first)")
         own = vars(obj)
         had = name in own
+        wrapper = make(current)
+        wrapper.__kvcanary__ = True  # type: ignore[attr-defined]
         self._saved.append((obj, name, had, own.get(name)))
-        setattr(obj, name, make(getattr(obj, name)))
+        setattr(obj, name, wrapper)
 
     def restore(self) -> None:
         """Undo every wrap, newest first."""
@@ -762,9 +768,13 @@ def install(model_or_manager: Any, config: CanaryConfig | None = None, *, sinks:
     handle = TransformersCanary(cfg, sinks, req_rows, max_context)
     if cfg.mode == CanaryMode.NONE:
         return handle
-    if isinstance(model_or_manager, api.ContinuousBatchingManager):
-        handle.attach_manager(model_or_manager)
-    else:
-        handle.attach_model(model_or_manager)
+    try:
+        if isinstance(model_or_manager, api.ContinuousBatchingManager):
+            handle.attach_manager(model_or_manager)
+        else:
+            handle.attach_model(model_or_manager)
+    except BaseException:
+        handle.uninstall()  # all or nothing
+        raise
     handle.installed = True
     return handle
