@@ -125,9 +125,11 @@ def test_clean_persistent_manager_across_calls(llama: Any, prompts: list[list[in
     assert handle.total_violations == 0 and handle.errors == [] and no_wrappers_left(llama)
 
 
-def test_clean_under_memory_pressure(llama: Any) -> None:
+@pytest.mark.parametrize("over", [{}, {"token_truth": "pool", "coverage": "window", "stripe_size": 8,
+                                      "fingerprint": "partial", "input_asserts": True}])
+def test_clean_under_memory_pressure(llama: Any, over: dict[str, Any]) -> None:
     """16 blocks for 6 requests: cached blocks are evicted and a request is soft-reset (freed, re-prefilled under the
-    same id); sweeps every forward see only valid chains."""
+    same id); sweeps every forward see only valid chains. Also with the expected-token pool and window coverage."""
     prompts = shared_prefix_prompts(40, (5, 9, 17, 3, 21, 30))
 
     def run() -> list[list[int]]:
@@ -136,7 +138,7 @@ def test_clean_under_memory_pressure(llama: Any) -> None:
         return [r.generated_tokens for r in out.values()]
 
     ref = run()
-    with kt.install(llama, raise_config(sweep_interval=1)) as handle:
+    with kt.install(llama, raise_config(sweep_interval=1, **over)) as handle:
         out = run()
         canary = handle.last_canary
     st = handle.stats
