@@ -131,6 +131,7 @@ class CanaryManager:
             (int(WriteCheck.INPUTS) if config.input_asserts else 0)
         self._bs = 0
         self._nt = 0
+        self._mask_needed = True
         self._table: torch.Tensor | None = None
         self._captured: set[tuple[int, int, int]] = set()
         self._step_batches: dict[int, StepBatch] = {}
@@ -211,8 +212,7 @@ class CanaryManager:
             raise CanaryBracketError(f"pre_forward needs an open eager/capture forward (phase {self._phase.name}, "
                                      f"kind {self._kind.value})")
         st = self.state
-        st.sink.step.add_(1)
-        st.phase[0:1].add_(1)
+        st.pre_tick.add_(1)  # step counter and pre-forward phase
         for gi, g in enumerate(st.groups):
             self._plan(g)
             self._verify(g, Stage.HEAD)
@@ -230,7 +230,7 @@ class CanaryManager:
         for g in st.groups:
             self._verify(g, Stage.TAIL)
             self._write(g, Stage.TAIL)
-        st.phase[1:2].add_(1)
+        st.post_tick.add_(1)
         self._phase = _Phase.POST
 
     def end_forward(self) -> WindowReport | None:
@@ -334,7 +334,7 @@ class CanaryManager:
                      self._table, nt, window=window, padding_row=self.pool.padding_row,
                      expect_prefix=st.expect_prefix[:bs] if chain else None,
                      expect_new=st.expect_new[:bs] if chain else None, backend=self.backend)
-        if chain:  # keep EXPECT_* only where the host knew the truth
+        if chain and (self._mask_needed or self._kind == ForwardKind.CAPTURE):  # EXPECT_* only where truth is known
             torch.clamp(g.plan[:, PlanCol.BATCH_INDEX], 0, cfg.req_capacity - 1, out=st.seg_index)
             torch.index_select(st.flag_mask, 0, st.seg_index, out=st.seg_mask)
             g.plan[:, PlanCol.FLAGS].bitwise_and_(st.seg_mask)
@@ -394,8 +394,7 @@ class CanaryManager:
             rid, row = batch.request_ids[i], batch.req_pool_indices_host[i]
             pre, ext = batch.prefix_lens_host[i], batch.extend_lens_host[i]
             if rid is None or row == self.pool.padding_row:
-                rows[2][i] = _NO_PREFIX & _NO_NEW
-                continue
+                continue  # no segment is planned for it: its flags do not matter
             self._last_seen[rid] = self.forwards + 1
             if stripe:
                 rows[3][i] = self._stripe(rid, pre, kind)
@@ -411,6 +410,7 @@ class CanaryManager:
                 pool_req.append(self._pool_truth(rid, row, hist, pre + ext + offset))
         if not chain:
             rows[2] = [_NO_PREFIX & _NO_NEW] * bs
+        self._mask_needed = any(v != _KEEP_ALL for v in rows[2])
         k = self._upload_index
         self._upload_index ^= 1
         ev = self._upload_events[k]
@@ -440,7 +440,7 @@ class CanaryManager:
         at_pre = max(n, reach) == want_pre
         if pre > 0 and at_pre:
             ep = to_i64(h)
-        else:
+        elif pre > 0:  # (an empty prefix has no entry to check)
             mask &= _NO_PREFIX
         if ext > 0 and known >= want_new and at_pre:
             en = to_i64(hs.extend(rid, hist[want_pre:want_new], want_pre))
@@ -550,9 +550,9 @@ class CanaryManager:
         snap = self._snap_host[p.index]
         n_groups = len(st.groups)
         head = snap[:_SNAP_COUNTERS + 3 + n_groups * NUM_PLAN_STATUS_COLS].tolist()  # layout: CanaryState.arena
-        counters = [head[t * NUM_COUNTER_COLS:(t + 1) * NUM_COUNTER_COLS] for t in range(NUM_LAUNCH_TAGS)]
-        phase = head[_SNAP_COUNTERS:_SNAP_COUNTERS + 2]
-        ring_total = head[_SNAP_COUNTERS + 2]
+        phase = head[0:2]
+        counters = [head[2 + t * NUM_COUNTER_COLS:2 + (t + 1) * NUM_COUNTER_COLS] for t in range(NUM_LAUNCH_TAGS)]
+        ring_total = head[2 + _SNAP_COUNTERS]
         o = _SNAP_COUNTERS + 3
         plan_status = [head[o + g * NUM_PLAN_STATUS_COLS:o + (g + 1) * NUM_PLAN_STATUS_COLS] for g in range(n_groups)]
         o += n_groups * NUM_PLAN_STATUS_COLS

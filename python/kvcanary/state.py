@@ -74,21 +74,23 @@ class CanaryState:
         rc, tc = config.req_capacity, config.token_capacity
         self.groups: list[GroupState] = [self._group(spec) for spec in pool.groups]
         # One arena so that staging a window is one copy and resetting it one fill:
-        # [step | counters | phase | ring count | window status | ring rows]; everything after step is staged,
-        # ring count and window status (adjacent) are reset.
+        # [step | phase (pre, post) | counters | ring count | window status | ring rows]. Step and the pre-forward
+        # phase are advanced by one add; everything after step is staged; ring count + window status are reset.
         n_ctr, n_ws = NUM_LAUNCH_TAGS * NUM_COUNTER_COLS, len(self.groups) * NUM_PLAN_STATUS_COLS
-        self.arena = _i64(1 + n_ctr + 2 + 1 + n_ws + config.ring_capacity * NUM_VIOLATION_COLS, device=d)
-        o = 1 + n_ctr
+        self.arena = _i64(3 + n_ctr + 1 + n_ws + config.ring_capacity * NUM_VIOLATION_COLS, device=d)
+        o = 3 + n_ctr
         self.snapshot = self.arena[1:]  # what a window stages
-        self.reset_span = self.arena[o + 2:o + 3 + n_ws]  # ring count + window status
-        self.sink = Sink(self.arena[o + 3 + n_ws:].view(config.ring_capacity, NUM_VIOLATION_COLS),
-                         self.arena[o + 2:o + 3], self.arena[1:o].view(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS),
+        self.pre_tick = self.arena[0:2]  # step, pre-forward phase
+        self.post_tick = self.arena[2:3]  # post-forward phase
+        self.reset_span = self.arena[o:o + 1 + n_ws]  # ring count + window status
+        self.sink = Sink(self.arena[o + 1 + n_ws:].view(config.ring_capacity, NUM_VIOLATION_COLS),
+                         self.arena[o:o + 1], self.arena[3:o].view(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS),
                          self.arena[0:1])
         self.sink.validate(d)
         # pre-forward count [0] and post-forward count [1]: advanced inside the (captured) bracket
-        self.phase = self.arena[o:o + 2]
+        self.phase = self.arena[1:3]
         # a running max of plan status over the reporting window (input errors, overflow)
-        self.window_status = self.arena[o + 3:o + 3 + n_ws].view(len(self.groups), NUM_PLAN_STATUS_COLS)
+        self.window_status = self.arena[o + 1:o + 1 + n_ws].view(len(self.groups), NUM_PLAN_STATUS_COLS)
         # static batch buffers: the bracket's device parts read only these
         self.req_pool_indices = _i64(rc, device=d)
         self.prefix_lens = _i64(rc, device=d)
