@@ -34,14 +34,18 @@ def tiny_llama(device: str = "cpu", dtype: torch.dtype = torch.float32, **over: 
     return model
 
 
-def tiny_qwen3(device: str = "cpu") -> Any:
-    """A 2-layer random Qwen3 (full attention only), sdpa attention."""
+def tiny_qwen3(device: str = "cpu", sliding_window: int = 0) -> Any:
+    """A 2-layer random Qwen3, sdpa attention; full attention only unless ``sliding_window`` (then layer 0 slides)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
+    swa: dict[str, Any] = {"use_sliding_window": False}
+    if sliding_window:
+        swa = {"use_sliding_window": True, "sliding_window": sliding_window,
+               "layer_types": ["sliding_attention", "full_attention"]}
     cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=None,
-                      eos_token_id=None, pad_token_id=None, use_sliding_window=False)
+                      eos_token_id=None, pad_token_id=None, **swa)
     model = Qwen3ForCausalLM(cfg).eval().to(device)
     model.set_attn_implementation("sdpa")
     return model

@@ -460,6 +460,14 @@ def test_refuses_unguardable_configs(llama: Any, over: dict[str, Any]) -> None:
     assert no_wrappers_left(llama)
 
 
+def test_refuses_sliding_window_models() -> None:
+    """Sliding-window groups use a ring of slots (and turn prefix sharing off): not guarded yet, refused clearly."""
+    model = tiny_qwen3(sliding_window=32)
+    with kt.install(model, raise_config()):
+        with pytest.raises(kt.TransformersIntegrationError, match="full-attention-only"):
+            model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
+
+
 def test_mode_none_installs_nothing(llama: Any) -> None:
     handle = kt.install(llama, CanaryConfig(mode="none"))
     assert not handle.installed and no_wrappers_left(llama)
