@@ -150,7 +150,7 @@ ENGINE_CASES: tuple[FaultCase, ...] = (
     # padding rows get no records (the plan skips them), so only the live slot's real bytes change
     FaultCase("padding_write_live_slot", "#4/#11 padding row writes a live slot", "batch", "fingerprint",
               _PER_FORWARD, (Stage.TAIL,), _R.VERIFY_FINGERPRINT,
-              engine_fault="padding_write_live_slot", engine=(("chunk_size", 8), ("decode_pad_multiple", 4))),
+              engine_fault="padding_write_live_slot", engine=(("chunk_size", 8), ("decode_pad_multiple", 4)), bound=0),
     FaultCase("spec_rollback_wrong_slots", "#10 speculative rollback frees a live page", "batch",
               "chain + invalidate on free", _PER_FORWARD, (Stage.HEAD,),
               _R.VERIFY_CHAIN | _R.VERIFY_POSITION, engine_fault="spec_rollback_wrong_slots", engine=_SPEC, spec=True),
