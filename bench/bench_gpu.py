@@ -474,7 +474,7 @@ def render(results: list[Result], fl: Floors, extra: dict[str, Any], device: str
     for name, per in extra.get("breakdown_us", {}).items():
         lines.append("")
         lines.append(f"Per-kernel GPU µs per forward, {name} (profiler over graph replays): " +
-                     ", ".join(f"{k.split('(')[0]} {v:.1f}" for k, v in per.items()))
+                     ", ".join(f"{k.split('::')[-1].split('(')[0]} {v:.1f}" for k, v in per.items()))
     return "\n".join(lines) + "\n"
 
 
