@@ -440,6 +440,25 @@ def test_raise_surfaces_from_generate_batch(llama: Any, prompts: list[list[int]]
     assert all(v.reasons == FailReason.VERIFY_FINGERPRINT and v.position == 1 for v in info.value.violations)
 
 
+@pytest.mark.parametrize("mode", ["raise", "log"])
+def test_internal_failure(llama: Any, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """A failure of the canary side in the generation thread: RAISE hands it to the caller; LOG logs it, turns the
+    canary off on that cache and lets generation finish."""
+    def broken(self: kt.HFPoolAdapter, io: Any, reqs: Any) -> Any:
+        raise KeyError("boom")
+
+    ref = generate(llama, prompts[:1], max_new_tokens=3)
+    monkeypatch.setattr(kt.HFPoolAdapter, "batch_view", broken)
+    with kt.install(llama, raise_config(mode=mode)) as handle:
+        if mode == "raise":
+            with pytest.raises(kt.TransformersIntegrationError, match="boom") as info:
+                generate(llama, prompts[:1], max_new_tokens=3)
+            assert isinstance(info.value.__cause__, KeyError)
+        else:
+            assert generate(llama, prompts[:1], max_new_tokens=3) == ref
+            assert len(handle.failures) == 1 and handle.errors == [] and handle.stats["unbracketed_steps"] == 2
+
+
 # ------------------------------------------------------------------------------------------------- install / refusals
 
 

@@ -346,6 +346,8 @@ class _Session:
         self.graphs = any(hf_manager.continuous_batching_config.cuda_graph_booleans)
         self.pending: list[_Req] | None = None
         self.in_forward = False
+        self.disabled = False  # LOG mode, after an internal failure
+        self.hf_failed = self.ran_hf = False
         self.layer_writes = 0
         self.stray_writes = 0
         self.write_ptr = 0
@@ -380,14 +382,27 @@ class _Session:
     def _wrap_step(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def _generation_step(model: Any) -> Any:
             reqs, self.pending = self.pending, None
-            if not reqs:
+            if not reqs or self.disabled:
                 self.stats["unbracketed_steps"] += 1
                 return orig(model)
+            self.hf_failed = self.ran_hf = False
             try:
                 return self._bracket(orig, model, reqs)
-            except KVCanaryError as e:
-                self.handle._stash(e)
-                raise
+            except Exception as e:
+                if self.hf_failed:  # transformers' own step failed: its loop reports that
+                    raise
+                err = e if isinstance(e, KVCanaryError) else \
+                    TransformersIntegrationError(f"kvcanary failed around a generation step: {e!r}")
+                if err is not e:
+                    err.__cause__ = e
+                if self.handle.config.mode == CanaryMode.RAISE:
+                    self.handle._stash(err)
+                    raise err from e if err is not e else None
+                # LOG mode never raises: keep generating without the canary on this cache
+                self.disabled = True
+                self.handle.failures.append(err)
+                logger.error("kvcanary: disabled on this cache after an internal failure: %r", err, exc_info=e)
+                return None if self.ran_hf else orig(model)
         return _generation_step
 
     def _bracket(self, orig: Callable[..., Any], model: Any, reqs: list[_Req]) -> Any:
@@ -408,8 +423,12 @@ class _Session:
                 self.in_forward, self.layer_writes, self.stray_writes = True, 0, 0
                 self.write_ptr = io.write_index_storage[0].data_ptr()
                 t1 = time.perf_counter()
+                self.ran_hf = True
                 try:
                     out = orig(model)
+                except BaseException:
+                    self.hf_failed = True
+                    raise
                 finally:
                     self.in_forward = False
                 t2 = time.perf_counter()
@@ -525,7 +544,8 @@ class TransformersCanary:
         self.req_rows = req_rows
         self.max_context = max_context
         self.reports: list[WindowReport] = []
-        self.errors: list[KVCanaryError] = []
+        self.errors: list[KVCanaryError] = []  # raised to the caller (RAISE mode)
+        self.failures: list[KVCanaryError] = []  # LOG mode: internal failures that disabled a session's canary
         self._raised: set[int] = set()
         self._lock = threading.Lock()
         self._patches = _Patches()
