@@ -201,7 +201,7 @@ def _print_report(out: dict[str, Any], write: Callable[[str], None]) -> None:
               f"{p['coverage']:.3f}, groups {'+'.join(p['groups'])}")
         write(f"  {'':<12} overhead: {p['canary_ms_per_forward']:.2f} ms per forward inside the canary = "
               f"{p['canary_pct_of_engine']:.0f}% of the engine's own time; wall {p['seconds_plain']:.2f}s without / "
-              f"{p['seconds_canary']:.2f}s with ({p['overhead_pct']:+.0f}%, noisy on a shared CPU)")
+              f"{p['seconds_canary']:.2f}s with ({p['overhead_pct']:+.0f}%, wall clock: noisy)")
         for line in p["first_violations"]:
             write(f"    {line}")
     write(f"  launch tags that ran: {len(clean['tags_active'])}/{len(LaunchTag)} ({', '.join(clean['tags_active'])})")
