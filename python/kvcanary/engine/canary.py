@@ -130,6 +130,7 @@ class EngineCanary:
         self.log = ForwardLog()
         self.forwards = 0
         self.seconds = 0.0  # wall time spent inside the canary's hooks (host work + CPU kernels)
+        self._global: dict[tuple[PoolKind, int], int] = {}  # (pool, pool step) -> engine forward
         self._on_forward = on_forward
         engine.hooks = self
 
@@ -153,6 +154,7 @@ class EngineCanary:
         self.log.requests.append(batch.req_ids)
         m = self.managers[pool_kind]
         self.log.steps.append(m.forwards + 1)
+        self._global[(pool_kind, m.forwards + 1)] = self.forwards
         m.begin_forward(batch_view(batch))
         m.pre_forward()
         self.seconds += time.perf_counter() - t0
@@ -189,8 +191,10 @@ class EngineCanary:
     # ------------------------------------------------------------------ results
 
     def _keep(self, kind: PoolKind, report: WindowReport | None) -> None:
+        """Keep a window with violations, dated by its last step (on CUDA a window comes back a forward late)."""
         if report is not None and report.total:
-            self.detections.append(Detection(kind, self.forwards, self.managers[kind].forwards, report))
+            self.detections.append(Detection(kind, self._global.get((kind, report.last_step), self.forwards),
+                                             report.last_step, report))
 
     def flush(self) -> None:
         """Collect every window still in flight (blocking)."""
