@@ -36,7 +36,7 @@ def _ensure_venv(session: nox.Session) -> None:
         session.run(sys.executable, "-m", "venv", str(VENV), external=True)
     pip = (str(PY), "-m", "pip", "install", "-q", "--disable-pip-version-check")
     session.run(*pip, TORCH, external=True)
-    session.run(*pip, "-e", f"{ROOT}[dev]", external=True)
+    session.run(*pip, "-e", f"{ROOT}[dev,transformers]", external=True)
     STAMP.write_text(want)
 
 
