@@ -59,30 +59,70 @@ __device__ __forceinline__ ScanElem block_segmented_scan(ScanElem x, ScanShared&
   return warp > 0 ? scan_op(before, x) : x;
 }
 
-// Ordered composition of the carries of entries [0, n) of a segment, by the whole block.
+__device__ __forceinline__ WriteCarry shfl_carry(const WriteCarry& x, int src, bool down) {
+  WriteCarry r;
+  if (down) {
+    r.map.mul = __shfl_down_sync(0xffffffffu, x.map.mul, src);
+    r.map.add = __shfl_down_sync(0xffffffffu, x.map.add, src);
+    r.last_j = __shfl_down_sync(0xffffffffu, x.last_j, src);
+  } else {
+    r.map.mul = __shfl_sync(0xffffffffu, x.map.mul, src);
+    r.map.add = __shfl_sync(0xffffffffu, x.map.add, src);
+    r.last_j = __shfl_sync(0xffffffffu, x.last_j, src);
+  }
+  return r;
+}
+
+// Ordered composition of the 32 lanes' carries (lane 0 first), returned to every lane. After the step of distance
+// d, a lane l that is a multiple of 2d holds lanes [l, l + 2d) composed in order (it reads lane l + d's [l + d,
+// l + 2d) before that lane updates); other lanes hold values nobody reads. Every lane of the warp must call it.
+__device__ __forceinline__ WriteCarry warp_compose_ordered(WriteCarry c) {
+#pragma unroll
+  for (int d = 1; d < kWarp; d <<= 1) c = write_carry_compose(c, shfl_carry(c, d, true));
+  return shfl_carry(c, 0, false);
+}
+
+constexpr int kCarryPerLane = 2;                          // consecutive entries a lane composes itself
+constexpr int kCarryRow = kCarryPerLane * kWarp;          // entries one warp step covers (lanes in order)
+constexpr int kCarryRows = 2;                             // warp steps whose loads are all issued before use
+
+// Ordered composition of the carries of entries [0, n) of a segment, by the whole block with coalesced loads:
+// warp w owns the w-th contiguous chunk (whole rows of kCarryRow entries), a row's lane l holds its entries
+// [kCarryPerLane * l, kCarryPerLane * (l + 1)), rows are composed lane-ordered by shuffles and in row order per
+// warp, then the warps' chunks in warp order (compose is associative, not commutative).
 __device__ __forceinline__ WriteCarry block_reduce_prefix(const WriteArgs& a, const int64_t* row, int64_t n,
                                                           ScanShared& sh) {
-  const int64_t per = (n + kWriteThreads - 1) / kWriteThreads;
-  const int64_t lo = threadIdx.x * per, hi = lo + per < n ? lo + per : n;
-  WriteCarry c = write_carry_identity();
-  constexpr int kBatch = 8;  // independent loads in flight before the serial composition
-  for (int64_t j = lo; j < hi; j += kBatch) {
-    WriteEntry e[kBatch];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t rows = (n + kCarryRow - 1) / kCarryRow;
+  const int64_t chunk = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock * kCarryRow;
+  const int64_t lo = warp * chunk, hi = lo + chunk < n ? lo + chunk : n;  // warp-uniform
+  WriteCarry acc = write_carry_identity();  // the same in every lane of the warp
+  for (int64_t base = lo; base < hi; base += kCarryRows * kCarryRow) {
+    WriteEntry e[kCarryRows][kCarryPerLane];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (j + u < hi) e[u] = write_entry_load(a, row, j + u);
+    for (int r = 0; r < kCarryRows; ++r) {
+#pragma unroll
+      for (int u = 0; u < kCarryPerLane; ++u) {
+        const int64_t j = base + r * kCarryRow + lane * kCarryPerLane + u;
+        if (j < hi) e[r][u] = write_entry_load(a, row, j);
+      }
     }
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (j + u < hi) c = write_carry_compose(c, write_entry_carry(e[u]));
+    for (int r = 0; r < kCarryRows; ++r) {
+      WriteCarry c = write_carry_identity();
+#pragma unroll
+      for (int u = 0; u < kCarryPerLane; ++u) {
+        const int64_t j = base + r * kCarryRow + lane * kCarryPerLane + u;
+        if (j < hi) c = write_carry_compose(c, write_entry_carry(e[r][u]));
+      }
+      acc = write_carry_compose(acc, warp_compose_ordered(c));
     }
   }
-  // Ordered block reduce: a scan with no heads, read the last thread's inclusive value.
-  const ScanElem inc = block_segmented_scan(ScanElem{false, c}, sh);
+  if (lane == 0) sh.carry_total[warp] = acc;
   __syncthreads();
-  if (threadIdx.x == kWriteThreads - 1) sh.carry_total[0] = inc.c;
-  __syncthreads();
-  const WriteCarry total = sh.carry_total[0];
+  WriteCarry total = write_carry_identity();
+#pragma unroll
+  for (int w = 0; w < kWarpsPerBlock; ++w) total = write_carry_compose(total, sh.carry_total[w]);
   __syncthreads();
   return total;
 }
