@@ -27,22 +27,8 @@ import json; d = json.load(open('$OUT/disagg_gpu.json'))
 for r in d['runs']:
     print(r['model'], 'ok', len(r['ok']), 'failed', r['failed'], 'match', r['outputs_match_reference'], r['overhead'])"
   echo "=== fault campaign $(date -u +%T)"
-  timeout 170 python3 - "$OUT/disagg_gpu_faults.json" <<'PY'
-import json, sys
-from kvcanary.disagg.engines import Workload
-from kvcanary.disagg.launcher import LaunchConfig, launch
-from kvcanary.disagg.transport import FaultName, FaultSpec
-rows = []
-for model in ("swa",):  # FULL and SWA groups; the dead-peer faults are in the tests above
-    for fault in ("corrupt", "truncate_layers", "truncate_tail", "swap", "stale", "bad_length", "bad_header",
-                  "stall_decode"):
-        r = launch(LaunchConfig(device="cuda", model=model, workload=Workload(4, 20, 20, 4, seed=3),
-                                fault=FaultSpec(FaultName(fault), 1, seed=5), timeout_s=8.0, idle_timeout_s=12.0))
-        rows.append(r)
-        print(model, fault, "ok", r["ok"], "failed", r["failed"], "detected", r["detected"],
-              "prefill_violations", r["prefill_violations"], "match", r["outputs_match_reference"],
-              "errors", {k: v and v["type"] for k, v in r["errors"].items()}, "exit", r["exitcodes"], flush=True)
-json.dump({"runs": rows}, open(sys.argv[1], "w"), indent=1, default=str)
-PY
+  # a module, not a heredoc: spawned role processes must be able to re-import the parent's __main__
+  timeout 170 python3 -m kvcanary.disagg --device cuda --model swa --fault all --requests 4 --json \
+    --out "$OUT/disagg_gpu_faults.json" > /dev/null; echo "rc=$?"
   echo "=== done $(date -u +%T)"
 } 2>&1 | tee "$OUT/log.txt"
