@@ -37,6 +37,9 @@ __device__ __forceinline__ int64_t segment_of(const int64_t* s_off, const int64_
   return found;
 }
 
+// kHalves == P.halves: a compile-time half count keeps the records of both halves in registers (loop-unrolled), so
+// an entry's record and predecessor gathers are all in flight before the first use.
+template <int kHalves>
 __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch L) {
   __shared__ int64_t s_off[kSmemSegments];  // ENTRY_OFFSET of every segment when they fit
   __shared__ int64_t s_reduce[3 * kVerifyThreads / kWarp];
@@ -65,7 +68,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
     total = total < 0 ? 0 : (total > most ? most : total);
   }
   const bool want_fp = verify_wants_fp(P);
-  const int64_t halves = P.halves;
+  constexpr int64_t halves = kHalves;
 
   if (nseg <= kSmemSegments && static_cast<int64_t>(blockIdx.x) * kVerifyThreads < total) {
     for (int64_t s = threadIdx.x; s < nseg; s += kVerifyThreads) {
@@ -97,18 +100,25 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
         ++skipped;
       }
     }
+    // The predecessor of entry idx is entry idx - 1 of the same segment, held by the previous lane when it is there;
+    // otherwise (lane 0, a segment's first entry) this lane gathers it itself, issued together with its own record.
+    const int64_t prev_s = __shfl_up_sync(0xffffffffu, valid ? s : -1, 1);
+    const bool own_pred =
+        ok && ent.has_pred && !ent.anchor && !(lane > 0 && prev_s == s && idx > seg[col(PlanCol::IDX_BEGIN)]);
     CanaryRecord rec[MAX_HALVES] = {};
+    CanaryRecord pred_rec[MAX_HALVES] = {};
+    if (ok) ++checked;
+#pragma unroll
+    for (int64_t h = 0; h < halves; ++h) {
+      if (ok) rec[h] = load_record(P.records, ent.slot.slot * halves + h, L.vec);
+      if (own_pred) pred_rec[h] = load_record(P.records, ent.pred_slot * halves + h, L.vec);
+    }
     bool link_ok[MAX_HALVES] = {false, false};
     uint64_t link[MAX_HALVES] = {0, 0};
     if (ok) {
-      ++checked;
-      for (int64_t h = 0; h < halves; ++h) {
-        rec[h] = load_record(P.records, ent.slot.slot * halves + h, L.vec);
-        link_ok[h] = record_link(rec[h], &link[h]);
-      }
+#pragma unroll
+      for (int64_t h = 0; h < halves; ++h) link_ok[h] = record_link(rec[h], &link[h]);
     }
-    // The predecessor of entry idx is entry idx - 1 of the same segment, held by the previous lane when it is there.
-    const int64_t prev_s = __shfl_up_sync(0xffffffffu, valid ? s : -1, 1);
     uint64_t pred_link[MAX_HALVES];
     bool pred_ok[MAX_HALVES];
 #pragma unroll
@@ -116,12 +126,11 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
       pred_link[h] = __shfl_up_sync(0xffffffffu, link[h], 1);
       pred_ok[h] = __shfl_up_sync(0xffffffffu, link_ok[h] ? 1 : 0, 1) != 0;
     }
-    if (ok && ent.has_pred && !ent.anchor && !(lane > 0 && prev_s == s && idx > seg[col(PlanCol::IDX_BEGIN)])) {
-      for (int64_t h = 0; h < halves; ++h) {
-        const CanaryRecord pr = load_record(P.records, ent.pred_slot * halves + h, L.vec);
-        pred_ok[h] = record_link(pr, &pred_link[h]);
-      }
+    if (own_pred) {
+#pragma unroll
+      for (int64_t h = 0; h < halves; ++h) pred_ok[h] = record_link(pred_rec[h], &pred_link[h]);
     }
+#pragma unroll 1  // one copy of the check code (a register-tight kernel); the records are all in flight by now
     for (int64_t h = 0; h < halves; ++h) {
       const uint64_t fp = want_fp ? fingerprint_lanes(P.fp.table, P.fp.n_sources, h, ok, ent.slot.slot,
                                                       ent.position, P.fp.mode, P.fp.layer_stride)
@@ -141,7 +150,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
   }
 }
 
-std::array<std::atomic<int>, kMaxDevices> g_verify_occupancy{};
+std::array<std::atomic<int>, kMaxDevices> g_verify_occupancy[MAX_HALVES]{};
 
 void check_tag(int64_t tag, const char* name) {
   TVM_FFI_CHECK(tag >= 0 && tag < kNumLaunchTags, ValueError) << name << " must be a LaunchTag, got " << tag;
@@ -229,13 +238,14 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   // Persistent grid sized from the SM count, but no larger than the most entries the plan's shape allows (each
   // valid segment holds at most table.cols entries): small forwards launch few blocks.
+  auto* kernel = halves == 2 ? verify_kernel<2> : verify_kernel<1>;
   const int64_t full = static_cast<int64_t>(sm_count(dev.device_id)) *
-                       resident_blocks(verify_kernel, kVerifyThreads, dev.device_id, g_verify_occupancy);
+                       resident_blocks(kernel, kVerifyThreads, dev.device_id, g_verify_occupancy[halves - 1]);
   const int64_t most = table.size(1) > 0 && plan.size(0) > (int64_t{1} << 40) / table.size(1)
                            ? (int64_t{1} << 40)
                            : plan.size(0) * table.size(1);
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(full, ceil_div(most, kVerifyThreads))));
-  verify_kernel<<<grid, kVerifyThreads, 0, stream_of(dev)>>>(L);
+  kernel<<<grid, kVerifyThreads, 0, stream_of(dev)>>>(L);
   check_launch();
 }
 
