@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             record(rec)
             if i % 50 == 0:
                 print(f"fault trials {i + 1}/{len(fault_tasks)} ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+            if a.deadline and time.time() - t0 > a.deadline:
+                stop = True  # leaving the pool terminates the workers; --resume picks up the rest
+                break
         pending = 0
         results = []
         while forwards < a.forwards and not stop:
@@ -198,13 +201,15 @@ def main(argv: list[str] | None = None) -> int:
             rec = r.get()
             record(rec)
             forwards += rec["forwards"]
-    meta = {"command": "python -m bench.soak " + " ".join(sys.argv[1:] if argv is None else argv),
+    prev = json.loads(out.with_suffix(".json").read_text()) if a.resume and out.with_suffix(".json").exists() else {}
+    command = "python -m bench.soak " + " ".join(sys.argv[1:] if argv is None else argv)
+    meta = {"command": f"{prev['command']}; then {command}" if prev else command,
             "device": a.device, "backend": a.backend, "workers": a.workers,
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.python_implementation()} "
                        f"{platform.python_version()}",
-            "wall_seconds": round(time.time() - t0, 1), "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                                                  time.gmtime()),
-            "complete": forwards >= a.forwards, "target_forwards": a.forwards, "target_trials": a.trials}
+            "wall_seconds": round(time.time() - t0 + prev.get("wall_seconds", 0.0), 1),
+            "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "complete": forwards >= a.forwards and not stop, "target_forwards": a.forwards, "target_trials": a.trials}
     summary = summarize(list(done.values()), meta)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(summary))
