@@ -141,7 +141,7 @@ def _launch_tags(raw: list[dict[str, Any]], enums: dict[str, Enum]) -> tuple[Lau
         parts = name.split("_")
         if len(parts) != 3:
             raise SchemaError(f"launch_tag {name}: expected STAGE_HALF_GROUP")
-        for part, enum in zip(parts, ("Stage", "Half", "Group")):
+        for part, enum in zip(parts, ("Stage", "Half", "Group"), strict=True):
             if part not in {i.name for i in enums[enum].items}:
                 raise SchemaError(f"launch_tag {name}: {part!r} is not a {enum}")
         tags.append(LaunchTag(name, int(_req(entry, "value", name)), *parts))
@@ -186,7 +186,8 @@ def load(path: Path) -> Schema:
     )
     record_bytes = {i.name: i.value for i in schema.layout}.get("RECORD_BYTES")
     if record_bytes != 8 * len(schema.record_fields):
-        raise SchemaError(f"layout.RECORD_BYTES={record_bytes} but the record has {len(schema.record_fields)} int64 fields")
+        raise SchemaError(f"layout.RECORD_BYTES={record_bytes} but the record has "
+                          f"{len(schema.record_fields)} int64 fields")
     base = {i.name: i.value for i in schema.hash_consts}.get("CHAIN_BASE", 0)
     if base % 2 == 0:
         raise SchemaError("hash.CHAIN_BASE must be odd (invertible mod 2^64)")

@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import tvm_ffi
-
-from kvcanary_schema import SCHEMA_VERSION
-
 from kvcanary.ops import hashes
+from kvcanary_schema import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 

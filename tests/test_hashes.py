@@ -6,10 +6,9 @@ import random
 
 import pytest
 import torch
-from kvcanary_schema import CHAIN_BASE, TOKEN_LIMIT
-
 from kvcanary import _native
 from kvcanary.ops import hashes as H
+from kvcanary_schema import CHAIN_BASE, TOKEN_LIMIT
 
 # Vigna's splitmix64 finalizer vectors (published with the reference implementation's test data).
 SPLITMIX_VECTORS = [

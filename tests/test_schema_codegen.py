@@ -117,7 +117,8 @@ def test_cpp_and_python_agree(tmp_path: Path) -> None:
 
 def test_schema_edit_flows_to_both_outputs(tmp_path: Path) -> None:
     schema = tmp_path / "canary.toml"
-    schema.write_text(SCHEMA.read_text() + '\n[[fail_reason]]\nname = "TEST_EXTRA"\nbit = 40\ndoc = "added by a test"\n')
+    extra = '\n[[fail_reason]]\nname = "TEST_EXTRA"\nbit = 40\ndoc = "added by a test"\n'
+    schema.write_text(SCHEMA.read_text() + extra)
     out = tmp_path / "gen"
     assert run_codegen("--schema", str(schema), "--out", str(out)).returncode == 0
     py = (out / "python" / "kvcanary_schema" / "__init__.py").read_text()
