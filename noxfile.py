@@ -89,7 +89,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff over the hand-written code."""
-    _py(session, "-m", "ruff", "check", "python", "codegen", "tests", "noxfile.py", *session.posargs)
+    _py(session, "-m", "ruff", "check", "python", "codegen", "tests", "bench", "noxfile.py", *session.posargs)
 
 
 @nox.session(default=False)
