@@ -37,6 +37,29 @@ __device__ __forceinline__ int64_t segment_of(const int64_t* s_off, const int64_
   return found;
 }
 
+struct EntryRef {
+  int64_t s;           // segment, -1 = none
+  const int64_t* seg;  // its plan row (the plan's first row when none)
+  int64_t idx;         // table column
+  bool valid;          // a readable entry: the segment passes verify_segment_ok and idx is inside it
+};
+
+// Entry e of the dense entry space (e >= total: none).
+__device__ __forceinline__ EntryRef entry_ref(const VerifyLaunch& L, const int64_t* s_off, int64_t nseg,
+                                              int64_t total, int64_t e) {
+  EntryRef r{-1, L.plan, 0, false};
+  if (e < total) r.s = segment_of(s_off, L.plan, nseg, e);
+  if (r.s >= 0) {
+    r.seg = L.plan + r.s * kNumPlanCols;
+    r.idx = r.seg[col(PlanCol::IDX_BEGIN)] + (e - r.seg[col(PlanCol::ENTRY_OFFSET)]);
+    r.valid = verify_segment_ok(L.P, r.seg) && r.idx >= r.seg[col(PlanCol::IDX_BEGIN)] &&
+              r.idx < r.seg[col(PlanCol::IDX_END)];
+  }
+  return r;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // kHalves == P.halves: a compile-time half count keeps the records of both halves in registers (loop-unrolled), so
 // an entry's record and predecessor gathers are all in flight before the first use.
 template <int kHalves>
@@ -77,17 +100,10 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
     __syncthreads();
   }
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kVerifyThreads; base < total; base += gthreads) {
-    const int64_t e_idx = base + threadIdx.x;
-    int64_t s = -1;
-    bool valid = false;
-    int64_t idx = 0;
-    const int64_t* seg = L.plan;
-    if (e_idx < total) s = segment_of(s_off, L.plan, nseg, e_idx);
-    if (s >= 0) {
-      seg = L.plan + s * kNumPlanCols;
-      idx = seg[col(PlanCol::IDX_BEGIN)] + (e_idx - seg[col(PlanCol::ENTRY_OFFSET)]);
-      valid = verify_segment_ok(P, seg) && idx >= seg[col(PlanCol::IDX_BEGIN)] && idx < seg[col(PlanCol::IDX_END)];
-    }
+    const EntryRef cur = entry_ref(L, s_off, nseg, total, base + threadIdx.x);
+    const int64_t s = cur.s, idx = cur.idx;
+    const int64_t* seg = cur.seg;
+    const bool valid = cur.valid;
     VerifyEntry ent{};
     bool ok = false;
     if (valid) {
@@ -112,6 +128,18 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
     for (int64_t h = 0; h < halves; ++h) {
       if (ok) rec[h] = load_record(P.records, ent.slot.slot * halves + h, L.vec);
       if (own_pred) pred_rec[h] = load_record(P.records, ent.pred_slot * halves + h, L.vec);
+    }
+    // While those gathers are in flight, pull this thread's next entry's records into L2 (no registers held): its
+    // gather in the next iteration then waits on L2, not DRAM. Only a slot that resolves is prefetched (in bounds).
+    {
+      const EntryRef nxt = entry_ref(L, s_off, nseg, total, base + gthreads + threadIdx.x);
+      if (nxt.valid) {
+        const Resolved r = resolve_slot(P.group, P.table.at(nxt.seg[col(PlanCol::ROW)], nxt.idx));
+        if (r.status == SlotStatus::kOk) {
+#pragma unroll
+          for (int64_t h = 0; h < halves; ++h) prefetch_l2(record_at(P.records, halves, r.slot, h));
+        }
+      }
     }
     bool link_ok[MAX_HALVES] = {false, false};
     uint64_t link[MAX_HALVES] = {0, 0};
