@@ -134,6 +134,47 @@ __device__ __forceinline__ int64_t segment_entries(const WriteArgs& a, const int
   return len > 0 && write_range_ok(a, row) ? len : 0;
 }
 
+// A plan row with a write range error (reported once by block 0, not written).
+__device__ __forceinline__ bool segment_range_error(const WriteArgs& a, const int64_t* row) {
+  return plan_at(row, PlanCol::WRITE_LEN) != 0 && !write_range_ok(a, row);
+}
+
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
+// Row threadIdx.x's write fields, loaded together with the status (rows below plan_cap are in bounds whatever the
+// status says): with at most kWriteThreads segments, a thread's first segment is its own row, so the status ->
+// plan round trip is gone. Only the fields segment_entries / segment_range_error / prefetch read are loaded.
+struct OwnRow {
+  int64_t v[kNumPlanCols];
+  __device__ __forceinline__ explicit OwnRow(const WriteArgs& a) : v{} {
+    if (static_cast<int64_t>(threadIdx.x) < a.plan_cap) {
+      const int64_t* row = a.plan + static_cast<int64_t>(threadIdx.x) * kNumPlanCols;
+      v[col(PlanCol::WRITE_BEGIN)] = plan_at(row, PlanCol::WRITE_BEGIN);
+      v[col(PlanCol::WRITE_LEN)] = plan_at(row, PlanCol::WRITE_LEN);
+      v[col(PlanCol::SEED_SLOT)] = plan_at(row, PlanCol::SEED_SLOT);
+      v[col(PlanCol::FLAGS)] = plan_at(row, PlanCol::FLAGS);
+    }
+  }
+  // Speculative L1 prefetches (no effect on results; only addresses inside their tensors): the row's first new
+  // token and its seed record, read later behind the scans by whichever thread holds them.
+  __device__ __forceinline__ void prefetch(const WriteArgs& a) const {
+    if (static_cast<int64_t>(threadIdx.x) >= a.plan_cap || plan_at(v, PlanCol::WRITE_LEN) <= 0 ||
+        !write_range_ok(a, v)) {
+      return;
+    }
+    const int64_t k = plan_at(v, PlanCol::WRITE_BEGIN);
+    prefetch_l1(a.input_ids + k);
+    prefetch_l1(a.positions + k);
+    prefetch_l1(a.out_cache_loc + k);
+    if (plan_flag(v, PlanFlag::SEED_IS_HEAD)) return;
+    const Resolved r = resolve_slot(a.group, plan_at(v, PlanCol::SEED_SLOT));
+    if (r.status != SlotStatus::kOk) return;
+    for (int64_t h = 0; h < a.halves; ++h) prefetch_l1(&write_record(a, r.slot, h));
+  }
+  // Is segment s (< plan_cap) this thread's own row.
+  __device__ __forceinline__ bool is(int64_t s) const { return s == static_cast<int64_t>(threadIdx.x); }
+};
+
 // Block-wide inclusive max-scan of one int64 per thread.
 __device__ __forceinline__ int64_t block_max_scan(int64_t v, int64_t* smem /* kWarpsPerBlock */) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
@@ -166,13 +207,15 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
   __shared__ int64_t s_fp_pos[kFp ? kWriteThreads : 1];
 
   const int64_t nseg = write_num_segments(a);
+  const OwnRow own(a);
+  own.prefetch(a);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
 
   // Whole-segment range errors and the per-call run counters: block 0 only.
   if (blockIdx.x == 0) {
     for (int64_t s = threadIdx.x; s < nseg; s += kWriteThreads) {
       const int64_t* row = a.plan + s * kNumPlanCols;
-      if (plan_at(row, PlanCol::WRITE_LEN) != 0 && !write_range_ok(a, row)) {
+      if (own.is(s) ? segment_range_error(a, own.v) : segment_range_error(a, row)) {
         for (int64_t h = 0; h < a.halves; ++h) write_emit_range_error(a, row, h);
       }
     }
@@ -185,7 +228,9 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
   const int64_t chunk = (nseg + kWriteThreads - 1) / kWriteThreads;
   const int64_t c_lo = threadIdx.x * chunk, c_hi = c_lo + chunk < nseg ? c_lo + chunk : nseg;
   int64_t chunk_off[1] = {0}, total_arr[1];
-  for (int64_t s = c_lo; s < c_hi; ++s) chunk_off[0] += segment_entries(a, a.plan + s * kNumPlanCols);
+  for (int64_t s = c_lo; s < c_hi; ++s) {
+    chunk_off[0] += own.is(s) ? segment_entries(a, own.v) : segment_entries(a, a.plan + s * kNumPlanCols);
+  }
   block_exclusive_sum<kWriteThreads, 1>(chunk_off, total_arr, sh_sum);
   const int64_t total = total_arr[0];
 
@@ -198,7 +243,7 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     __syncthreads();
     int64_t off = chunk_off[0];
     for (int64_t s = c_lo; s < c_hi && off < tile_end; ++s) {
-      const int64_t n = segment_entries(a, a.plan + s * kNumPlanCols);
+      const int64_t n = own.is(s) ? segment_entries(a, own.v) : segment_entries(a, a.plan + s * kNumPlanCols);
       if (n > 0 && off + n > tile_start) {
         const int64_t first = off > tile_start ? off : tile_start;
         s_mark[first - tile_start] = s;
