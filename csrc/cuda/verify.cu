@@ -58,6 +58,31 @@ __device__ __forceinline__ EntryRef entry_ref(const VerifyLaunch& L, const int64
   return r;
 }
 
+// Entries of the plan's dense entry space from its last segment: ENTRY_OFFSET + max(len, 0), clamped to
+// [0, nseg * cols] (a plan with garbage offsets must not loop for long: valid segments hold at most cols entries).
+__device__ __forceinline__ int64_t plan_entries_total(const int64_t* last, int64_t nseg, int64_t cols) {
+  const int64_t len = last[col(PlanCol::IDX_END)] - last[col(PlanCol::IDX_BEGIN)];
+  const int64_t total = last[col(PlanCol::ENTRY_OFFSET)] + (len > 0 ? len : 0);
+  const int64_t most = nseg * cols;
+  return total < 0 ? 0 : (total > most ? most : total);
+}
+
+// Row threadIdx.x's fields, read together with the status (rows below plan_cap are in bounds whatever the status
+// says): with at most kVerifyThreads segments, the offsets, the entry total and block 0's bad-segment checks need
+// no status -> plan round trip. Only the fields verify_segment_ok / plan_entries_total read are loaded.
+struct OwnSeg {
+  int64_t v[kNumPlanCols];
+  __device__ __forceinline__ explicit OwnSeg(const VerifyLaunch& L) : v{} {
+    if (static_cast<int64_t>(threadIdx.x) < L.plan_cap) {
+      const int64_t* row = L.plan + static_cast<int64_t>(threadIdx.x) * kNumPlanCols;
+      v[col(PlanCol::ROW)] = row[col(PlanCol::ROW)];
+      v[col(PlanCol::IDX_BEGIN)] = row[col(PlanCol::IDX_BEGIN)];
+      v[col(PlanCol::IDX_END)] = row[col(PlanCol::IDX_END)];
+      v[col(PlanCol::ENTRY_OFFSET)] = row[col(PlanCol::ENTRY_OFFSET)];
+    }
+  }
+};
+
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // kHalves == P.halves: a compile-time half count keeps the records of both halves in registers (loop-unrolled), so
@@ -66,8 +91,10 @@ template <int kHalves>
 __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch L) {
   __shared__ int64_t s_off[kSmemSegments];  // ENTRY_OFFSET of every segment when they fit
   __shared__ int64_t s_reduce[3 * kVerifyThreads / kWarp];
+  __shared__ int64_t s_total;
   const VerifyParams& P = L.P;
   const int64_t nseg = plan_num_segments(L.status, L.plan_cap);
+  const OwnSeg own(L);
   const int lane = threadIdx.x % kWarp;
   const int64_t gthreads = static_cast<int64_t>(gridDim.x) * kVerifyThreads;
   const int64_t gtid = static_cast<int64_t>(blockIdx.x) * kVerifyThreads + threadIdx.x;
@@ -76,29 +103,30 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
   // Bad segments (a plan paired with another table): one INPUT_ERROR row per half, entries not read.
   for (int64_t s = gtid; s < nseg; s += gthreads) {
     const int64_t* seg = L.plan + s * kNumPlanCols;
-    if (!verify_segment_ok(P, seg)) {
+    // s == threadIdx.x only in block 0's first step: the thread's own row.
+    if (s == static_cast<int64_t>(threadIdx.x) ? !verify_segment_ok(P, own.v) : !verify_segment_ok(P, seg)) {
       verify_emit_bad_segment(P, seg);
       ++errors;
     }
   }
   int64_t total = 0;
-  if (nseg > 0) {
-    const int64_t* last = L.plan + (nseg - 1) * kNumPlanCols;
-    const int64_t len = last[col(PlanCol::IDX_END)] - last[col(PlanCol::IDX_BEGIN)];
-    total = last[col(PlanCol::ENTRY_OFFSET)] + (len > 0 ? len : 0);
-    // A plan with garbage offsets must not loop for long: valid segments hold at most nseg * cols entries.
-    const int64_t most = nseg * P.table.cols;
-    total = total < 0 ? 0 : (total > most ? most : total);
+  if (nseg <= kVerifyThreads) {  // block-uniform: every row is some thread's own row
+    if (static_cast<int64_t>(threadIdx.x) < nseg) s_off[threadIdx.x] = own.v[col(PlanCol::ENTRY_OFFSET)];
+    if (static_cast<int64_t>(threadIdx.x) == nseg - 1) s_total = plan_entries_total(own.v, nseg, P.table.cols);
+    __syncthreads();
+    if (nseg > 0) total = s_total;
+  } else {
+    total = plan_entries_total(L.plan + (nseg - 1) * kNumPlanCols, nseg, P.table.cols);
+    if (nseg <= kSmemSegments && static_cast<int64_t>(blockIdx.x) * kVerifyThreads < total) {
+      for (int64_t s = threadIdx.x; s < nseg; s += kVerifyThreads) {
+        s_off[s] = L.plan[s * kNumPlanCols + col(PlanCol::ENTRY_OFFSET)];
+      }
+      __syncthreads();
+    }
   }
   const bool want_fp = verify_wants_fp(P);
   constexpr int64_t halves = kHalves;
 
-  if (nseg <= kSmemSegments && static_cast<int64_t>(blockIdx.x) * kVerifyThreads < total) {
-    for (int64_t s = threadIdx.x; s < nseg; s += kVerifyThreads) {
-      s_off[s] = L.plan[s * kNumPlanCols + col(PlanCol::ENTRY_OFFSET)];
-    }
-    __syncthreads();
-  }
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kVerifyThreads; base < total; base += gthreads) {
     const EntryRef cur = entry_ref(L, s_off, nseg, total, base + threadIdx.x);
     const int64_t s = cur.s, idx = cur.idx;
