@@ -26,6 +26,15 @@ struct PlanForwardArgs {
   int64_t padding_row;
 };
 
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
+// L1 prefetch of table element (r, c) (the caller checks it is inside the table).
+__device__ __forceinline__ void prefetch_table(const SlotTable& t, int64_t r, int64_t c) {
+  const int64_t k = r * t.cols + c;
+  prefetch_l1(t.is_i32 ? static_cast<const void*>(static_cast<const int32_t*>(t.data) + k)
+                       : static_cast<const void*>(static_cast<const int64_t*>(t.data) + k));
+}
+
 // Scan lanes: running token offset, segments, verify entries, write entries, input errors, overflow.
 enum : int { kTok = 0, kSeg, kVer, kWri, kErr, kOvf, kLanes };
 
@@ -38,6 +47,17 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwa
     const int64_t row = in ? a.req_pool_indices[i] : 0;
     const int64_t pre = in ? a.prefix_lens[i] : 0;
     const int64_t ext = in ? a.extend_lens[i] : 0;
+    // What a segment's row fill reads, prefetched into L1 before the two block scans (no effect on results; only
+    // addresses inside their tensors): the fill then waits on L1, not on another global round trip.
+    if (in) {
+      if (a.expect_prefix != nullptr) prefetch_l1(a.expect_prefix + i);
+      if (a.expect_new != nullptr) prefetch_l1(a.expect_new + i);
+      if (row >= 0 && row < a.table.rows && pre > 0 && pre <= a.table.cols) {
+        prefetch_table(a.table, row, pre - 1);
+        const int64_t vb = plan_forward_verify_begin(pre, a.window);
+        if (vb > 0) prefetch_table(a.table, row, vb - 1);
+      }
+    }
     int64_t v[kLanes] = {in ? plan_token_term(ext, a.num_tokens) : 0, 0, 0, 0, 0, 0};
     int64_t total[kLanes];
     // First pass: the running token offset gives each request its write begin and so its outcome.
