@@ -175,6 +175,27 @@ struct OwnRow {
   __device__ __forceinline__ bool is(int64_t s) const { return s == static_cast<int64_t>(threadIdx.x); }
 };
 
+// The serial loop of core/write.cuh (what the CPU backend runs) for one segment with len > 0 entries and a valid
+// range, by one thread; its counts go to tally.
+__device__ __forceinline__ void write_segment_serial(const WriteArgs& a, const int64_t* row, int64_t len,
+                                                     WriteTally (&tally)[MAX_HALVES]) {
+  for (int64_t h = 0; h < a.halves; ++h) {
+    const WriteSeed seed = write_seed(a, row, h);  // emits the seed INPUT_ERROR row itself
+    if (!seed.ok) continue;
+    WriteCarry carry = write_carry_identity();
+    for (int64_t j = 0; j < len; ++j) {
+      const WriteEntry e = write_entry_load(a, row, j);
+      tally[h] = write_tally_add(tally[h], write_entry_apply(a, row, h, e, chain_apply(carry.map, seed.h),
+                                                             write_prev_pos(a, row, carry, seed)));
+      carry = write_carry_compose(carry, write_entry_carry(e));
+    }
+    write_expect_new(a, row, h, chain_apply(carry.map, seed.h), carry.last_j);
+  }
+}
+
+// Longest segment the one-block serial path takes (decode: 1); longer ones go through the block scans.
+constexpr int64_t kSerialMaxLen = 8;
+
 // Block-wide inclusive max-scan of one int64 per thread.
 __device__ __forceinline__ int64_t block_max_scan(int64_t v, int64_t* smem /* kWarpsPerBlock */) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
@@ -224,155 +245,168 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     }
   }
 
-  // Dense entry space: segment s owns entries [off_s, off_s + entries_s). Each thread sums a chunk of segments.
-  const int64_t chunk = (nseg + kWriteThreads - 1) / kWriteThreads;
-  const int64_t c_lo = threadIdx.x * chunk, c_hi = c_lo + chunk < nseg ? c_lo + chunk : nseg;
-  int64_t chunk_off[1] = {0}, total_arr[1];
-  for (int64_t s = c_lo; s < c_hi; ++s) {
-    chunk_off[0] += own.is(s) ? segment_entries(a, own.v) : segment_entries(a, a.plan + s * kNumPlanCols);
-  }
-  block_exclusive_sum<kWriteThreads, 1>(chunk_off, total_arr, sh_sum);
-  const int64_t total = total_arr[0];
-
   WriteTally tally[MAX_HALVES] = {{0, 0, 0}, {0, 0, 0}};
-  for (int64_t tile_start = static_cast<int64_t>(blockIdx.x) * tile; tile_start < total;
-       tile_start += static_cast<int64_t>(gridDim.x) * tile) {
-    const int64_t tile_end = tile_start + tile < total ? tile_start + tile : total;
-    // Mark the first in-tile position of every segment overlapping the tile.
-    for (int64_t p = threadIdx.x; p < tile; p += kWriteThreads) s_mark[p] = -1;
-    __syncthreads();
-    int64_t off = chunk_off[0];
-    for (int64_t s = c_lo; s < c_hi && off < tile_end; ++s) {
-      const int64_t n = own.is(s) ? segment_entries(a, own.v) : segment_entries(a, a.plan + s * kNumPlanCols);
-      if (n > 0 && off + n > tile_start) {
-        const int64_t first = off > tile_start ? off : tile_start;
-        s_mark[first - tile_start] = s;
-        s_first_j[first - tile_start] = first - off;
+  // Small batches of short segments (decode): one block, each thread runs its own segment's serial loop (the CPU
+  // backend's), with no block scan. Block-uniform decision; range errors were reported above.
+  bool serial = false;
+  if constexpr (kItems == 1 && !kFp) {
+    if (gridDim.x == 1 && nseg <= kWriteThreads) {
+      const int64_t len = static_cast<int64_t>(threadIdx.x) < nseg ? segment_entries(a, own.v) : 0;
+      serial = __syncthreads_or(len > kSerialMaxLen ? 1 : 0) == 0;
+      if (serial && len > 0) write_segment_serial(a, a.plan + static_cast<int64_t>(threadIdx.x) * kNumPlanCols, len,
+                                                  tally);
+    }
+  }
+  if (!serial) {  // block-uniform
+    // Dense entry space: segment s owns entries [off_s, off_s + entries_s). Each thread sums a chunk of segments.
+    const int64_t chunk = (nseg + kWriteThreads - 1) / kWriteThreads;
+    const int64_t c_lo = threadIdx.x * chunk, c_hi = c_lo + chunk < nseg ? c_lo + chunk : nseg;
+    int64_t chunk_off[1] = {0}, total_arr[1];
+    for (int64_t s = c_lo; s < c_hi; ++s) {
+      chunk_off[0] += own.is(s) ? segment_entries(a, own.v) : segment_entries(a, a.plan + s * kNumPlanCols);
+    }
+    block_exclusive_sum<kWriteThreads, 1>(chunk_off, total_arr, sh_sum);
+    const int64_t total = total_arr[0];
+
+    for (int64_t tile_start = static_cast<int64_t>(blockIdx.x) * tile; tile_start < total;
+         tile_start += static_cast<int64_t>(gridDim.x) * tile) {
+      const int64_t tile_end = tile_start + tile < total ? tile_start + tile : total;
+      // Mark the first in-tile position of every segment overlapping the tile.
+      for (int64_t p = threadIdx.x; p < tile; p += kWriteThreads) s_mark[p] = -1;
+      __syncthreads();
+      int64_t off = chunk_off[0];
+      for (int64_t s = c_lo; s < c_hi && off < tile_end; ++s) {
+        const int64_t n = own.is(s) ? segment_entries(a, own.v) : segment_entries(a, a.plan + s * kNumPlanCols);
+        if (n > 0 && off + n > tile_start) {
+          const int64_t first = off > tile_start ? off : tile_start;
+          s_mark[first - tile_start] = s;
+          s_first_j[first - tile_start] = first - off;
+        }
+        off += n;
       }
-      off += n;
-    }
-    __syncthreads();
+      __syncthreads();
 
-    // Load this thread's entries (kItems consecutive positions) and their carries.
-    int64_t mark_pos = -1;
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int64_t p = static_cast<int64_t>(threadIdx.x) * kItems + i;
-      if (p < tile && s_mark[p] >= 0) mark_pos = p;
-    }
-    const int64_t mark_incl = block_max_scan(mark_pos, s_reduce);
-    int64_t mark_before = __shfl_up_sync(0xffffffffu, mark_incl, 1);
-    __syncthreads();
-    if (lane == kWarp - 1) s_reduce[warp] = mark_incl;
-    __syncthreads();
-    if (lane == 0) mark_before = warp > 0 ? s_reduce[warp - 1] : -1;
-    __syncthreads();
+      // Load this thread's entries (kItems consecutive positions) and their carries.
+      int64_t mark_pos = -1;
+  #pragma unroll
+      for (int i = 0; i < kItems; ++i) {
+        const int64_t p = static_cast<int64_t>(threadIdx.x) * kItems + i;
+        if (p < tile && s_mark[p] >= 0) mark_pos = p;
+      }
+      const int64_t mark_incl = block_max_scan(mark_pos, s_reduce);
+      int64_t mark_before = __shfl_up_sync(0xffffffffu, mark_incl, 1);
+      __syncthreads();
+      if (lane == kWarp - 1) s_reduce[warp] = mark_incl;
+      __syncthreads();
+      if (lane == 0) mark_before = warp > 0 ? s_reduce[warp - 1] : -1;
+      __syncthreads();
 
-    Item it[kItems];
-    ScanElem local = scan_identity();
-    ScanElem pre_item[kItems];  // inclusive within the thread, before composing earlier threads
-    int64_t cur = mark_before;
-#pragma unroll
+      Item it[kItems];
+      ScanElem local = scan_identity();
+      ScanElem pre_item[kItems];  // inclusive within the thread, before composing earlier threads
+      int64_t cur = mark_before;
+  #pragma unroll
+      for (int i = 0; i < kItems; ++i) {
+        const int64_t p = static_cast<int64_t>(threadIdx.x) * kItems + i;
+        it[i].row = nullptr;
+        ScanElem x{true, write_carry_identity()};
+        if (p < tile && tile_start + p < tile_end) {
+          if (s_mark[p] >= 0) cur = p;
+          if (cur >= 0) {
+            const int64_t* row = a.plan + s_mark[cur] * kNumPlanCols;
+            const int64_t j = s_first_j[cur] + (p - cur);
+            it[i].row = row;
+            it[i].e = write_entry_load(a, row, j);
+            x = ScanElem{j == 0, write_entry_carry(it[i].e)};
+          }
+        }
+        local = scan_op(local, x);
+        pre_item[i] = local;
+      }
+      // Block scan of the per-thread totals; the exclusive prefix of this thread is the previous thread's inclusive.
+      const ScanElem inc = block_segmented_scan(local, sh);
+      ScanElem excl_thread = shfl_up_elem(inc, 1);
+      __syncthreads();
+      if (lane == kWarp - 1) sh.warp_total[warp] = inc;
+      __syncthreads();
+      if (lane == 0) excl_thread = warp > 0 ? sh.warp_total[warp - 1] : scan_identity();
+      __syncthreads();
+
+      // The tile's first segment may have started in an earlier tile: fold its earlier entries (block-uniform).
+      WriteCarry carry_in = write_carry_identity();
+      const int64_t* first_row = a.plan + s_mark[0] * kNumPlanCols;  // position 0 is always marked
+      const int64_t first_j = s_first_j[0];
+      if (first_j > 0) carry_in = block_reduce_prefix(a, first_row, first_j, sh);
+
+    // Exclusive carry of each item: earlier items of the thread, earlier threads, and carry_in when the item's run
+    // reaches back to the tile start (then it is the tile's first segment, which began in an earlier tile).
+    WriteCarry excl[kItems], incl[kItems];
+  #pragma unroll
     for (int i = 0; i < kItems; ++i) {
-      const int64_t p = static_cast<int64_t>(threadIdx.x) * kItems + i;
-      it[i].row = nullptr;
-      ScanElem x{true, write_carry_identity()};
-      if (p < tile && tile_start + p < tile_end) {
-        if (s_mark[p] >= 0) cur = p;
-        if (cur >= 0) {
-          const int64_t* row = a.plan + s_mark[cur] * kNumPlanCols;
-          const int64_t j = s_first_j[cur] + (p - cur);
-          it[i].row = row;
-          it[i].e = write_entry_load(a, row, j);
-          x = ScanElem{j == 0, write_entry_carry(it[i].e)};
+      const ScanElem before = i == 0 ? excl_thread : scan_op(excl_thread, pre_item[i - 1]);
+      const bool head = it[i].row == nullptr || it[i].e.j == 0;
+      WriteCarry ex = head ? write_carry_identity() : before.c;
+      if (!head && !before.head && it[i].row == first_row) ex = write_carry_compose(carry_in, ex);
+      excl[i] = ex;
+      incl[i] = write_carry_compose(ex, it[i].row != nullptr ? write_entry_carry(it[i].e) : write_carry_identity());
+    }
+
+    if constexpr (kFp) {
+      // kItems == 1: thread t holds tile token t. Warps fingerprint the tile's written rows round-robin.
+      const bool want = it[0].row != nullptr && it[0].e.kind == WriteKind::kWrite;
+      s_fp_slot[threadIdx.x] = want ? it[0].e.slot : -1;
+      s_fp_pos[threadIdx.x] = want ? it[0].e.position : 0;
+      for (int64_t h = 0; h < MAX_HALVES; ++h) s_fp[threadIdx.x][h] = 0;
+      __syncthreads();
+      const int64_t n_tile = tile_end - tile_start;
+      for (int64_t h = 0; h < a.halves; ++h) {
+        if (a.fp_mode == static_cast<int32_t>(FingerprintMode::PARTIAL)) {
+          s_fp[threadIdx.x][h] = want ? fingerprint_thread(a.fp_table, a.fp_sources, h, it[0].e.slot,
+                                                            it[0].e.position, a.fp_mode, a.fp_layer_stride)
+                                      : 0;
+        } else {
+          for (int64_t t = warp; t < n_tile; t += kWarpsPerBlock) {
+            const int64_t slot = s_fp_slot[t];
+            if (slot < 0) continue;  // warp-uniform
+            const uint64_t fp = fingerprint_warp(a.fp_table, a.fp_sources, h, slot, s_fp_pos[t], a.fp_mode,
+                                                 a.fp_layer_stride);
+            if (lane == 0) s_fp[t][h] = fp;
+          }
         }
       }
-      local = scan_op(local, x);
-      pre_item[i] = local;
+      __syncthreads();
     }
-    // Block scan of the per-thread totals; the exclusive prefix of this thread is the previous thread's inclusive.
-    const ScanElem inc = block_segmented_scan(local, sh);
-    ScanElem excl_thread = shfl_up_elem(inc, 1);
-    __syncthreads();
-    if (lane == kWarp - 1) sh.warp_total[warp] = inc;
-    __syncthreads();
-    if (lane == 0) excl_thread = warp > 0 ? sh.warp_total[warp - 1] : scan_identity();
-    __syncthreads();
 
-    // The tile's first segment may have started in an earlier tile: fold its earlier entries (block-uniform).
-    WriteCarry carry_in = write_carry_identity();
-    const int64_t* first_row = a.plan + s_mark[0] * kNumPlanCols;  // position 0 is always marked
-    const int64_t first_j = s_first_j[0];
-    if (first_j > 0) carry_in = block_reduce_prefix(a, first_row, first_j, sh);
-
-  // Exclusive carry of each item: earlier items of the thread, earlier threads, and carry_in when the item's run
-  // reaches back to the tile start (then it is the tile's first segment, which began in an earlier tile).
-  WriteCarry excl[kItems], incl[kItems];
-#pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    const ScanElem before = i == 0 ? excl_thread : scan_op(excl_thread, pre_item[i - 1]);
-    const bool head = it[i].row == nullptr || it[i].e.j == 0;
-    WriteCarry ex = head ? write_carry_identity() : before.c;
-    if (!head && !before.head && it[i].row == first_row) ex = write_carry_compose(carry_in, ex);
-    excl[i] = ex;
-    incl[i] = write_carry_compose(ex, it[i].row != nullptr ? write_entry_carry(it[i].e) : write_carry_identity());
-  }
-
-  if constexpr (kFp) {
-    // kItems == 1: thread t holds tile token t. Warps fingerprint the tile's written rows round-robin.
-    const bool want = it[0].row != nullptr && it[0].e.kind == WriteKind::kWrite;
-    s_fp_slot[threadIdx.x] = want ? it[0].e.slot : -1;
-    s_fp_pos[threadIdx.x] = want ? it[0].e.position : 0;
-    for (int64_t h = 0; h < MAX_HALVES; ++h) s_fp[threadIdx.x][h] = 0;
-    __syncthreads();
-    const int64_t n_tile = tile_end - tile_start;
-    for (int64_t h = 0; h < a.halves; ++h) {
-      if (a.fp_mode == static_cast<int32_t>(FingerprintMode::PARTIAL)) {
-        s_fp[threadIdx.x][h] = want ? fingerprint_thread(a.fp_table, a.fp_sources, h, it[0].e.slot,
-                                                          it[0].e.position, a.fp_mode, a.fp_layer_stride)
-                                    : 0;
-      } else {
-        for (int64_t t = warp; t < n_tile; t += kWarpsPerBlock) {
-          const int64_t slot = s_fp_slot[t];
-          if (slot < 0) continue;  // warp-uniform
-          const uint64_t fp = fingerprint_warp(a.fp_table, a.fp_sources, h, slot, s_fp_pos[t], a.fp_mode,
-                                               a.fp_layer_stride);
-          if (lane == 0) s_fp[t][h] = fp;
+    const int64_t* seed_row = nullptr;  // consecutive items of one segment share its seeds
+    WriteSeed seeds[MAX_HALVES] = {{false, 0, 0}, {false, 0, 0}};
+  #pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      if (it[i].row == nullptr) continue;
+      const int64_t* row = it[i].row;
+      const WriteEntry& e = it[i].e;
+      if (row != seed_row) {
+        for (int64_t h = 0; h < a.halves; ++h) seeds[h] = write_seed_value(a, row, h);
+        seed_row = row;
+      }
+      for (int64_t h = 0; h < a.halves; ++h) {
+        const WriteSeed& seed = seeds[h];
+        if (!seed.ok) {
+          if (e.j == 0) write_emit_seed_error(a, row, h);
+          continue;
+        }
+        uint64_t fp = 0;
+        if constexpr (kFp) fp = s_fp[threadIdx.x][h];
+        const WriteTally t = write_entry_store(a, row, h, e, chain_apply(excl[i].map, seed.h),
+                                               write_prev_pos(a, row, excl[i], seed), fp);
+        tally[h] = write_tally_add(tally[h], t);
+        if (e.j == plan_at(row, PlanCol::WRITE_LEN) - 1) {
+          write_expect_new(a, row, h, chain_apply(incl[i].map, seed.h), incl[i].last_j);
         }
       }
     }
     __syncthreads();
-  }
-
-  const int64_t* seed_row = nullptr;  // consecutive items of one segment share its seeds
-  WriteSeed seeds[MAX_HALVES] = {{false, 0, 0}, {false, 0, 0}};
-#pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    if (it[i].row == nullptr) continue;
-    const int64_t* row = it[i].row;
-    const WriteEntry& e = it[i].e;
-    if (row != seed_row) {
-      for (int64_t h = 0; h < a.halves; ++h) seeds[h] = write_seed_value(a, row, h);
-      seed_row = row;
-    }
-    for (int64_t h = 0; h < a.halves; ++h) {
-      const WriteSeed& seed = seeds[h];
-      if (!seed.ok) {
-        if (e.j == 0) write_emit_seed_error(a, row, h);
-        continue;
-      }
-      uint64_t fp = 0;
-      if constexpr (kFp) fp = s_fp[threadIdx.x][h];
-      const WriteTally t = write_entry_store(a, row, h, e, chain_apply(excl[i].map, seed.h),
-                                             write_prev_pos(a, row, excl[i], seed), fp);
-      tally[h] = write_tally_add(tally[h], t);
-      if (e.j == plan_at(row, PlanCol::WRITE_LEN) - 1) {
-        write_expect_new(a, row, h, chain_apply(incl[i].map, seed.h), incl[i].last_j);
-      }
-    }
-  }
-  __syncthreads();
-  }  // tile loop
+    }  // tile loop
+  }  // !serial
   int64_t counts[3 * MAX_HALVES] = {tally[0].written, tally[0].input_errors, tally[0].skipped,
                                     tally[1].written, tally[1].input_errors, tally[1].skipped};
   block_sum_to_thread0<kWriteThreads, 3 * MAX_HALVES>(counts, s_reduce);
