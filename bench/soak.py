@@ -1,8 +1,8 @@
 """Soak (python -m bench.soak): >= 100k clean forwards with zero violations and >= 1000 seeded fault trials.
 
 Work is cut into chunks (one clean workload per seed, one fault trial per case and seed) that run in worker
-processes and are appended to a checkpoint file as they finish, so an interrupted soak resumes where it stopped
-(``--resume``). ``--quick`` is a smoke run of the same code.
+processes and are appended to a checkpoint file (build/soak/<out>.chunks.jsonl) as they finish, so an interrupted
+soak resumes where it stopped (``--resume``). ``--quick`` is a smoke run of the same code.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CHECKPOINTS = RESULTS.parents[1] / "build" / "soak"  # git-ignored: finished chunks, for --resume
 
 
 def _init_worker() -> None:
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.forwards, a.trials = 2000, 2 * len(C.CASES)
     out = Path(a.out)
-    ckpt = out.with_suffix(".chunks.jsonl")
+    ckpt = CHECKPOINTS / f"{out.name}.chunks.jsonl"
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
     if not a.resume and not a.summarize_only and ckpt.exists():
         ckpt.unlink()
     done = _load(ckpt)
