@@ -159,7 +159,8 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
     }
     // While those gathers are in flight, pull this thread's next entry's records into L2 (no registers held): its
     // gather in the next iteration then waits on L2, not DRAM. Only a slot that resolves is prefetched (in bounds).
-    {
+    // Only while the entry search runs on shared memory (a search over the plan in global memory costs more).
+    if (nseg <= kSmemSegments) {
       const EntryRef nxt = entry_ref(L, s_off, nseg, total, base + gthreads + threadIdx.x);
       if (nxt.valid) {
         const Resolved r = resolve_slot(P.group, P.table.at(nxt.seg[col(PlanCol::ROW)], nxt.idx));
