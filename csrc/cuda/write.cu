@@ -193,8 +193,9 @@ __device__ __forceinline__ void write_segment_serial(const WriteArgs& a, const i
   }
 }
 
-// Longest segment the one-block serial path takes (decode: 1); longer ones go through the block scans.
-constexpr int64_t kSerialMaxLen = 8;
+// Longest segment the one-block serial path takes (decode: 1; its entries are dependent round trips, the scan path
+// loads a tile at once); longer ones go through the block scans.
+constexpr int64_t kSerialMaxLen = 4;
 
 // Block-wide inclusive max-scan of one int64 per thread.
 __device__ __forceinline__ int64_t block_max_scan(int64_t v, int64_t* smem /* kWarpsPerBlock */) {
