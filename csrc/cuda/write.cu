@@ -156,9 +156,10 @@ struct OwnRow {
     }
   }
   // Speculative L1 prefetches (no effect on results; only addresses inside their tensors): the row's first new
-  // token and its seed record, read later behind the scans by whichever thread holds them.
+  // token and its seed record, read later by whichever thread holds them. One-block launches only (decode): with
+  // several blocks the reader is usually on another SM.
   __device__ __forceinline__ void prefetch(const WriteArgs& a) const {
-    if (static_cast<int64_t>(threadIdx.x) >= a.plan_cap || plan_at(v, PlanCol::WRITE_LEN) <= 0 ||
+    if (gridDim.x != 1 || static_cast<int64_t>(threadIdx.x) >= a.plan_cap || plan_at(v, PlanCol::WRITE_LEN) <= 0 ||
         !write_range_ok(a, v)) {
       return;
     }
