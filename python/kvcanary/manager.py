@@ -11,15 +11,18 @@ from dataclasses import dataclass
 
 import torch
 from kvcanary_schema import (
+    NO_SLOT,
     NUM_COUNTER_COLS,
     NUM_LAUNCH_TAGS,
     NUM_PLAN_STATUS_COLS,
     NUM_VIOLATION_COLS,
     CounterCol,
+    Group,
     Half,
     LaunchTag,
     PlanCol,
     PlanFlag,
+    RecordField,
     Stage,
     TokenTruth,
     WriteCheck,
@@ -309,6 +312,23 @@ class CanaryManager:
         self._pool_rows.pop(request_id, None)
         self._cursor.pop(request_id, None)
         self._last_seen.pop(request_id, None)
+
+    def invalidate(self, slots: torch.Tensor) -> None:
+        """Poison the records of freed table-space ``slots`` (FULL groups; SWA slots leave through the map).
+
+        A later read of such a slot fails its position and chain checks, which catches use-after-free and a
+        rollback that frees live slots. Reserved slots are left alone. Call outside any graph capture.
+        """
+        if not self.enabled:
+            return
+        for g in self.state.groups:
+            if g.spec.group != Group.FULL:
+                continue
+            idx = slots[slots >= g.spec.reserved_slots].to(device=self.state.device, dtype=torch.int64)
+            for view in (g.head, g.tail):
+                view.records.index_fill_(0, idx, 0)
+                # no planned position is negative, so any verify of the slot reports VERIFY_POSITION
+                view.records[idx, :, RecordField.POSITION] = NO_SLOT
 
     def add_sink(self, sink: ReportSink) -> None:
         """Also send every window to ``sink``."""

@@ -9,6 +9,7 @@ import torch
 from kvcanary.config import CanaryConfig
 from kvcanary.errors import BackendUnavailableError
 from kvcanary.manager import CanaryBracketError, install
+from kvcanary_schema import FailReason
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .fake_engine import FakeEngine
@@ -154,3 +155,17 @@ def test_device_step_and_phase_track_host() -> None:
     assert int(m.state.sink.step[0]) == 5
     assert m.state.phase.tolist() == [5, 5]
     assert torch.equal(m.state.sink.count, torch.zeros(1, dtype=torch.int64))
+
+
+def test_invalidate_makes_a_freed_slot_fail_its_next_read() -> None:
+    eng, m = setup(n_reqs=2)
+    assert total(run(eng, m, 2)) == 0
+    r1 = eng.reqs["r1"]
+    slot = int(eng.req_to_token[r1.row, 1])
+    m.invalidate(torch.tensor([0, slot]))  # slot 0 is reserved: left alone
+    assert int(m.state.groups[0].head.records[0, 0, 1]) != -1
+    rep = step(eng, m)
+    assert rep is not None
+    hits = [v for v in rep.violations if v.slot == slot]
+    assert hits and all(v.request_id == "r1" and FailReason.VERIFY_POSITION in v.reasons for v in hits)
+    assert {v.slot for v in rep.violations} <= {slot, int(eng.req_to_token[r1.row, 2])}  # and the next link

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from kvcanary_schema import NO_SLOT, TOKEN_LIMIT, Group, RecordField
+from kvcanary_schema import NO_SLOT, TOKEN_LIMIT, Group
 
 from kvcanary.adapter import BatchView, GroupSpec, PoolDescription, PrefixCacheExport
 from kvcanary.config import CanaryConfig
@@ -176,16 +176,7 @@ class EngineCanary:
         """Invalidate the records of freed slots in every pool (FULL groups; SWA slots are freed via the map)."""
         t0 = time.perf_counter()
         for m in self.managers.values():
-            if not m.enabled:
-                continue
-            for g in m.state.groups:
-                if g.spec.group != Group.FULL:
-                    continue
-                idx = slots[slots >= g.spec.reserved_slots]
-                for view in (g.head, g.tail):
-                    view.records.index_fill_(0, idx, 0)
-                    # position -1 never matches a planned position, so a read of the freed slot is reported
-                    view.records[idx, :, RecordField.POSITION] = -1
+            m.invalidate(slots)
         self.seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ results
