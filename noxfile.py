@@ -99,6 +99,12 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def soak(session: nox.Session) -> None:
+    """Long soak: >= 100k clean forwards and fault trials per class (-- --quick for a smoke run)."""
+    _py(session, "-m", "bench.soak", *session.posargs, env={"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+
+
+@nox.session(default=False)
 def demo(session: nox.Session) -> None:
     """The main job: the reference engine with kvcanary, a clean run and a fault campaign."""
     _py(session, "-m", "kvcanary", "demo", *session.posargs, env={"PYTHONUNBUFFERED": "1"})

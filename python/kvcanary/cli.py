@@ -57,11 +57,8 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    try:
-        from kvcanary.demo import run_demo
-    except ImportError:  # the engine demo is not part of this build: show the layout and a self-check
-        _cmd_schema(args)
-        return _cmd_selfcheck(args)
+    from kvcanary.demo import run_demo
+
     return run_demo(args)
 
 
