@@ -11,94 +11,24 @@
 //     fp_layer_stride >= 1. All scalars and flags int64.
 #include <tvm/ffi/function.h>
 
-#include "core/tensor_checks.h"
-#include "core/verify.cuh"
+#include "core/verify_args.h"
 
 namespace kvcanary {
-
-namespace {
-
-void check_tag(int64_t tag, const char* name) {
-  TVM_FFI_CHECK(tag >= 0 && tag < kNumLaunchTags, ValueError) << name << " must be a LaunchTag, got " << tag;
-}
-
-}  // namespace
 
 void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t reserved_slots, int64_t tag_k,
             int64_t tag_v, TensorView plan, TensorView status, TensorView table, TensorView ring_rows,
             TensorView ring_count, TensorView counters, TensorView step, TensorView pool_tokens, TensorView pool_lens,
             int64_t has_pool, int64_t token_offset, TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride) {
-  check_i64_tensor(records, records, 3, "records", "records");
-  check_device_type(records, kDLCPU, "records");
-  const int64_t num_slots = records.size(0), halves = records.size(1);
-  TVM_FFI_CHECK(halves == 1 || halves == 2, ValueError) << "records.shape[1] must be 1 or 2, got " << halves;
-  check_dim(records, 2, static_cast<int64_t>(sizeof(CanaryRecord) / sizeof(int64_t)), "records");
-  check_i64_tensor(swa_map, records, 1, "swa_map", "records");
-  TVM_FFI_CHECK(has_swa_map != 0 || swa_map.size(0) == 0, ValueError) << "swa_map must be empty when absent";
-  TVM_FFI_CHECK(reserved_slots >= 0 && reserved_slots <= num_slots, ValueError)
-      << "reserved_slots must be in [0, " << num_slots << "], got " << reserved_slots;
-  check_tag(tag_k, "tag_k");
-  if (halves == 2) check_tag(tag_v, "tag_v");
-  check_i64_tensor(plan, records, 2, "plan", "records");
-  check_dim(plan, 1, kNumPlanCols, "plan");
-  check_i64_tensor(status, records, 1, "status", "records");
-  check_dim(status, 0, kNumPlanStatusCols, "status");
-  check_index_dtype(table, "table");
-  check_ndim(table, 2, "table");
-  check_contiguous(table, "table");
-  check_same_device(table, records, "table", "records");
-  check_i64_tensor(ring_rows, records, 2, "ring_rows", "records");
-  check_dim(ring_rows, 1, kNumViolationCols, "ring_rows");
-  check_i64_tensor(ring_count, records, 1, "ring_count", "records");
-  check_dim(ring_count, 0, 1, "ring_count");
-  check_i64_tensor(counters, records, 2, "counters", "records");
-  check_dim(counters, 0, kNumLaunchTags, "counters");
-  check_dim(counters, 1, kNumCounterCols, "counters");
-  check_i64_tensor(step, records, 1, "step", "records");
-  check_dim(step, 0, 1, "step");
-  if (has_pool != 0) {
-    check_i64_tensor(pool_tokens, records, 2, "pool_tokens", "records");
-    check_i64_tensor(pool_lens, records, 1, "pool_lens", "records");
-    check_dim(pool_lens, 0, pool_tokens.size(0), "pool_lens");
-    TVM_FFI_CHECK(token_offset >= 0, ValueError) << "token_offset must be >= 0, got " << token_offset;
-  }
-  TVM_FFI_CHECK(fp_mode >= static_cast<int64_t>(FingerprintMode::NONE) &&
-                    fp_mode <= static_cast<int64_t>(FingerprintMode::ALL),
-                ValueError)
-      << "fp_mode must be a FingerprintMode, got " << fp_mode;
-  const bool want_fp = fp_mode != static_cast<int64_t>(FingerprintMode::NONE);
-  if (want_fp) {
-    check_i64_tensor(fp_table, records, 3, "fp_table", "records");
-    TVM_FFI_CHECK(fp_table.size(0) >= halves, ValueError)
-        << "fp_table has " << fp_table.size(0) << " halves, records " << halves;
-    check_dim(fp_table, 2, kNumFpSourceCols, "fp_table");
-    TVM_FFI_CHECK(fp_table.size(1) >= 1, ValueError) << "fp_table needs at least one source";
-    TVM_FFI_CHECK(fp_layer_stride >= 1, ValueError) << "fp_layer_stride must be >= 1, got " << fp_layer_stride;
-  }
-
-  VerifyParams P;
-  P.records = static_cast<const int64_t*>(records.data_ptr());
-  P.halves = halves;
-  P.group = GroupView{num_slots, reserved_slots,
-                      has_swa_map != 0 ? static_cast<const int64_t*>(swa_map.data_ptr()) : nullptr,
-                      has_swa_map != 0 ? swa_map.size(0) : 0};
-  P.table = SlotTable{table.data_ptr(), is_i32(table), table.size(0), table.size(1)};
-  P.tags[0] = tag_k;
-  P.tags[1] = halves == 2 ? tag_v : tag_k;
-  P.sink = SinkView{static_cast<int64_t*>(ring_rows.data_ptr()), static_cast<int64_t*>(ring_count.data_ptr()),
-                    ring_rows.size(0), static_cast<int64_t*>(counters.data_ptr()),
-                    static_cast<const int64_t*>(step.data_ptr())};
-  P.pool = has_pool != 0 ? TokenPoolView{static_cast<const int64_t*>(pool_tokens.data_ptr()),
-                                         static_cast<const int64_t*>(pool_lens.data_ptr()), pool_tokens.size(0),
-                                         pool_tokens.size(1), token_offset}
-                         : TokenPoolView{nullptr, nullptr, 0, 0, 0};
-  P.fp = want_fp ? FpView{static_cast<const int64_t*>(fp_table.data_ptr()), fp_table.size(1),
-                          static_cast<int32_t>(fp_mode), fp_layer_stride}
-                 : FpView{nullptr, 0, static_cast<int32_t>(FingerprintMode::NONE), 1};
+  const VerifyArgs a = make_verify_args(kDLCPU, records, swa_map, has_swa_map, reserved_slots, tag_k, tag_v, plan,
+                                        status, table, ring_rows, ring_count, counters, step, pool_tokens, pool_lens,
+                                        has_pool, token_offset, fp_table, fp_mode, fp_layer_stride);
+  const VerifyParams& P = a.P;
+  const int64_t halves = P.halves;
+  const bool want_fp = a.want_fp;
 
   int64_t checked = 0, skipped = 0, errors = 0;
-  const auto* plan_rows = static_cast<const int64_t*>(plan.data_ptr());
-  const int64_t nseg = plan_num_segments(static_cast<const int64_t*>(status.data_ptr()), plan.size(0));
+  const int64_t* plan_rows = a.plan;
+  const int64_t nseg = plan_num_segments(a.status, a.plan_cap);
   for (int64_t k = 0; k < nseg; ++k) {
     const int64_t* seg = plan_rows + k * kNumPlanCols;
     if (!verify_segment_ok(P, seg)) {
