@@ -111,17 +111,22 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
     lens = good[:, PlanCol.IDX_END] - good[:, PlanCol.IDX_BEGIN]
     sid = torch.repeat_interleave(torch.arange(good.shape[0], device=dev), lens)
     total = sid.shape[0]
-    gs = good.index_select(0, sid)
-    idx = gs[:, PlanCol.IDX_BEGIN] + torch.arange(total, device=dev) - (torch.cumsum(lens, 0) - lens)[sid]
-    rowv = gs[:, PlanCol.ROW]
+    cols = good.t().contiguous()  # [NUM_PLAN_COLS, segments]: per-column 1-D gathers beat 2-D row gathers
+
+    def at(c: PlanCol, seg_ids: torch.Tensor) -> torch.Tensor:
+        return cols[c].index_select(0, seg_ids)
+
+    begin_e = at(PlanCol.IDX_BEGIN, sid)
+    idx = begin_e + torch.arange(total, device=dev) - (torch.cumsum(lens, 0) - lens)[sid]
+    rowv = at(PlanCol.ROW, sid)
     flat = table.reshape(-1).to(torch.int64)
     t = flat[rowv * row_len + idx] if total else torch.zeros(0, dtype=torch.int64, device=dev)
-    pos = idx + gs[:, PlanCol.POS_SHIFT]
+    pos = idx + at(PlanCol.POS_SHIFT, sid)
     outcome, slot = resolve_slots(group, t)
-    first = idx == gs[:, PlanCol.IDX_BEGIN]
-    anchor = first & ((gs[:, PlanCol.FLAGS] & int(PlanFlag.FIRST_IS_HEAD)) != 0)
+    first = idx == begin_e
+    anchor = first & ((at(PlanCol.FLAGS, sid) & int(PlanFlag.FIRST_IS_HEAD)) != 0)
     prev_t = flat[rowv * row_len + torch.clamp(idx - 1, min=0)] if total else t
-    pt = torch.where(first, gs[:, PlanCol.FIRST_PREV_SLOT], prev_t)
+    pt = torch.where(first, at(PlanCol.FIRST_PREV_SLOT, sid), prev_t)
     p_outcome, p_slot = resolve_slots(group, pt)
     pred_ok = ~anchor & (p_outcome == OK)
     has_pred = anchor | pred_ok
@@ -135,7 +140,7 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
         r[:, ViolationCol.REASONS] = int(FailReason.INPUT_ERROR)
         r[:, ViolationCol.SLOT] = slot[err]
         r[:, ViolationCol.POSITION] = pos[err]
-        r[:, ViolationCol.BATCH_INDEX] = gs[err][:, PlanCol.BATCH_INDEX]
+        r[:, ViolationCol.BATCH_INDEX] = at(PlanCol.BATCH_INDEX, sid[err])
         r[:, ViolationCol.REQ_ROW] = rowv[err]
         out.append(r)
         sink.counters[tag, CounterCol.INPUT_ERRORS] += err.sum()
@@ -145,33 +150,46 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
     # Checked entries only from here on.
     # One nonzero + index_select per tensor: boolean-mask indexing would recompute the mask's nonzero each time.
     sel = ok.nonzero().squeeze(1)
-    s, p, g, i = (x.index_select(0, sel) for x in (slot, pos, gs, idx))
-    anc, hp = anchor.index_select(0, sel), has_pred.index_select(0, sel)
-    ps = torch.where(pred_ok.index_select(0, sel), p_slot.index_select(0, sel), torch.zeros_like(s))
-    flags = g[:, PlanCol.FLAGS]
-    boundary = ((flags & int(PlanFlag.EXPECT_PREFIX)) != 0) & (i == g[:, PlanCol.IDX_END] - 1)
+    every = sel.numel() == ok.numel()  # the common case: nothing skipped, no gathers needed
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        return x if every else x.index_select(0, sel)
+
+    s, p, i, sid_ok = take(slot), take(pos), take(idx), take(sid)
+    anc, hp = take(anchor), take(has_pred)
+    row_ok, expect = at(PlanCol.ROW, sid_ok), at(PlanCol.EXPECT_PREFIX, sid_ok)
+    boundary = ((at(PlanCol.FLAGS, sid_ok) & int(PlanFlag.EXPECT_PREFIX)) != 0) & (i == at(PlanCol.IDX_END, sid_ok) - 1)
     if pool is not None:
         pool_rows, pool_cols = pool.tokens.shape
         q = p + pool.offset
-        in_pool = (g[:, PlanCol.ROW] < pool_rows) & (q >= 0) & (q < pool_cols)
+        in_pool = (row_ok < pool_rows) & (q >= 0) & (q < pool_cols)
         expected_token = torch.full_like(q, SKIP_TOKEN)
         if pool.tokens.numel():
-            prow = torch.clamp(g[:, PlanCol.ROW], max=pool_rows - 1)
+            prow = torch.clamp(row_ok, max=pool_rows - 1)
             in_pool &= q < pool.lens[prow]
             pool_tok = pool.tokens[prow, torch.clamp(q, 0, pool_cols - 1)]
             expected_token = torch.where(in_pool, pool_tok, expected_token)
-    halves, flat_records = group.halves, group.records.view(-1, group.records.shape[-1])
+    # One gather of a slot's K and V records together (they are adjacent), for the entries and their predecessors.
+    nf = group.records.shape[-1]
+    by_slot = group.records.view(group.num_slots, -1)
+    rec_all = by_slot.index_select(0, s)
+    # Inside a segment an entry's predecessor is the previous entry (same table cell), whose own link is computed
+    # anyway; only segment starts gather their FIRST_PREV_SLOT record. Unresolved predecessors are never read.
+    starts = first.nonzero().squeeze(1)
+    start_pred = by_slot.index_select(0, torch.where(pred_ok[starts], p_slot[starts], torch.zeros_like(starts)))
     for h, tag in enumerate(tags):
-        rec = flat_records.index_select(0, s * halves + h)
+        rec = rec_all[:, h * nf:(h + 1) * nf]
         r_tok, r_pos = rec[:, RecordField.TOKEN], rec[:, RecordField.POSITION]
         r_prev, r_fp = rec[:, RecordField.PREV_HASH], rec[:, RecordField.KV_FINGERPRINT]
-        pred_has_link, pred_link = record_link(flat_records.index_select(0, ps * halves + h))
+        own_has_link, own_link = record_link(rec)
+        pred_has_link, pred_link = _predecessor_links(own_has_link, own_link, sel, every, total, starts,
+                                                     record_link(start_pred[:, h * nf:(h + 1) * nf]))
+        pred_has_link, pred_link = take(pred_has_link), take(pred_link)
         chain_expected = torch.where(anc, torch.full_like(s, H.chain_h0()),
                                      torch.where(pred_has_link, pred_link, torch.zeros_like(s)))
         chain_bad = hp & (~(anc | pred_has_link) | (r_prev != chain_expected))
-        own_has_link, own_link = record_link(rec)
         bnd_nolink = boundary & ~own_has_link
-        bnd_mismatch = boundary & own_has_link & (own_link != g[:, PlanCol.EXPECT_PREFIX])
+        bnd_mismatch = boundary & own_has_link & (own_link != expect)
         reasons = (_bit(r_pos != p, FailReason.VERIFY_POSITION) | _bit(chain_bad | bnd_nolink, FailReason.VERIFY_CHAIN)
                    | _bit(bnd_mismatch, FailReason.VERIFY_TOKEN))
         exp_tok = torch.full_like(s, SKIP_TOKEN)
@@ -189,17 +207,31 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
         r[:, ViolationCol.SLOT] = s[hit]
         r[:, ViolationCol.POSITION] = p[hit]
         r[:, ViolationCol.STORED_POSITION] = r_pos[hit]
-        r[:, ViolationCol.BATCH_INDEX] = g[hit][:, PlanCol.BATCH_INDEX]
-        r[:, ViolationCol.REQ_ROW] = g[hit][:, PlanCol.ROW]
+        r[:, ViolationCol.BATCH_INDEX] = at(PlanCol.BATCH_INDEX, sid_ok[hit])
+        r[:, ViolationCol.REQ_ROW] = row_ok[hit]
         r[:, ViolationCol.STORED_TOKEN] = r_tok[hit]
         r[:, ViolationCol.EXPECTED_TOKEN] = exp_tok[hit]
         r[:, ViolationCol.STORED_HASH] = torch.where(bnd_mismatch & ~chain_bad, own_link, r_prev)[hit]
         r[:, ViolationCol.EXPECTED_HASH] = torch.where(
-            chain_bad, chain_expected, torch.where(bnd_mismatch, g[:, PlanCol.EXPECT_PREFIX], torch.zeros_like(s)))[hit]
+            chain_bad, chain_expected, torch.where(bnd_mismatch, expect, torch.zeros_like(s)))[hit]
         r[:, ViolationCol.STORED_FP] = r_fp[hit]
         r[:, ViolationCol.EXPECTED_FP] = exp_fp[hit]
         out.append(r)
     append_rows(sink, torch.cat(out) if out else violation_rows(0, dev))
+
+
+def _predecessor_links(has: torch.Tensor, link: torch.Tensor, sel: torch.Tensor, every: bool, total: int,
+                       starts: torch.Tensor, start_links: tuple[torch.Tensor, torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(has_link, link) of every entry's predecessor, over all entries: the previous entry's, or the segment start's."""
+    if every:
+        full_has, full_link = has, link
+    else:
+        full_has = torch.zeros(total, dtype=torch.bool, device=link.device).index_copy_(0, sel, has)
+        full_link = torch.zeros(total, dtype=link.dtype, device=link.device).index_copy_(0, sel, link)
+    prev_has, prev_link = full_has.roll(1), full_link.roll(1)
+    prev_has[starts], prev_link[starts] = start_links
+    return prev_has, prev_link
 
 
 def _bit(mask: torch.Tensor, reason: FailReason) -> torch.Tensor:
