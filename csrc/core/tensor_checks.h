@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "common.cuh"
+
 namespace kvcanary {
 
 using tvm::ffi::TensorView;
@@ -52,6 +54,35 @@ inline void check_i64_tensor(const TensorView& t, const TensorView& ref, int ndi
   check_ndim(t, ndim, name);
   check_contiguous(t, name);
   check_same_device(t, ref, name, ref_name);
+}
+
+// A slot table: int32 or int64 [R, L], contiguous, on `ref`'s device.
+inline void check_slot_table(const TensorView& t, const TensorView& ref, const char* name, const char* ref_name) {
+  check_index_dtype(t, name);
+  check_ndim(t, 2, name);
+  check_contiguous(t, name);
+  check_same_device(t, ref, name, ref_name);
+}
+// A plan int64 [cap, NUM_PLAN_COLS] and its status int64 [NUM_PLAN_STATUS_COLS], on `ref`'s device.
+inline void check_plan_status(const TensorView& plan, const TensorView& status, const TensorView& ref,
+                              const char* ref_name) {
+  check_i64_tensor(plan, ref, 2, "plan", ref_name);
+  check_dim(plan, 1, kNumPlanCols, "plan");
+  check_i64_tensor(status, ref, 1, "status", ref_name);
+  check_dim(status, 0, kNumPlanStatusCols, "status");
+}
+// The sink: ring rows [cap, NUM_VIOLATION_COLS], ring count [1], counters [NUM_LAUNCH_TAGS, NUM_COUNTER_COLS], step [1].
+inline void check_sink(const TensorView& ring_rows, const TensorView& ring_count, const TensorView& counters,
+                       const TensorView& step, const TensorView& ref, const char* ref_name) {
+  check_i64_tensor(ring_rows, ref, 2, "ring_rows", ref_name);
+  check_dim(ring_rows, 1, kNumViolationCols, "ring_rows");
+  check_i64_tensor(ring_count, ref, 1, "ring_count", ref_name);
+  check_dim(ring_count, 0, 1, "ring_count");
+  check_i64_tensor(counters, ref, 2, "counters", ref_name);
+  check_dim(counters, 0, kNumLaunchTags, "counters");
+  check_dim(counters, 1, kNumCounterCols, "counters");
+  check_i64_tensor(step, ref, 1, "step", ref_name);
+  check_dim(step, 0, 1, "step");
 }
 
 }  // namespace kvcanary

@@ -37,23 +37,9 @@ inline VerifyArgs make_verify_args(DLDeviceType device, TensorView records, Tens
       << "reserved_slots must be in [0, " << num_slots << "], got " << reserved_slots;
   check_launch_tag(tag_k, "tag_k");
   if (halves == 2) check_launch_tag(tag_v, "tag_v");
-  check_i64_tensor(plan, records, 2, "plan", "records");
-  check_dim(plan, 1, kNumPlanCols, "plan");
-  check_i64_tensor(status, records, 1, "status", "records");
-  check_dim(status, 0, kNumPlanStatusCols, "status");
-  check_index_dtype(table, "table");
-  check_ndim(table, 2, "table");
-  check_contiguous(table, "table");
-  check_same_device(table, records, "table", "records");
-  check_i64_tensor(ring_rows, records, 2, "ring_rows", "records");
-  check_dim(ring_rows, 1, kNumViolationCols, "ring_rows");
-  check_i64_tensor(ring_count, records, 1, "ring_count", "records");
-  check_dim(ring_count, 0, 1, "ring_count");
-  check_i64_tensor(counters, records, 2, "counters", "records");
-  check_dim(counters, 0, kNumLaunchTags, "counters");
-  check_dim(counters, 1, kNumCounterCols, "counters");
-  check_i64_tensor(step, records, 1, "step", "records");
-  check_dim(step, 0, 1, "step");
+  check_plan_status(plan, status, records, "records");
+  check_slot_table(table, records, "table", "records");
+  check_sink(ring_rows, ring_count, counters, step, records, "records");
   if (has_pool != 0) {
     check_i64_tensor(pool_tokens, records, 2, "pool_tokens", "records");
     check_i64_tensor(pool_lens, records, 1, "pool_lens", "records");

@@ -290,14 +290,8 @@ inline WriteArgs make_write_args(TensorView records, TensorView swa_map, int64_t
   TVM_FFI_CHECK(records.size(2) == kFields && (records.size(1) == 1 || records.size(1) == MAX_HALVES), ValueError)
       << "records must be [num_slots, 1|2, " << kFields << "]";
   const int64_t num_slots = records.size(0), halves = records.size(1);
-  check_i64_tensor(plan, records, 2, "plan", "records");
-  check_dim(plan, 1, kNumPlanCols, "plan");
-  check_i64_tensor(status, records, 1, "status", "records");
-  check_dim(status, 0, kNumPlanStatusCols, "status");
-  check_index_dtype(table, "table");
-  check_ndim(table, 2, "table");
-  check_contiguous(table, "table");
-  check_same_device(table, records, "table", "records");
+  check_plan_status(plan, status, records, "records");
+  check_slot_table(table, records, "table", "records");
   check_i64_tensor(input_ids, records, 1, "input_ids", "records");
   const int64_t num_tokens = input_ids.size(0);
   check_i64_tensor(positions, records, 1, "positions", "records");
@@ -312,15 +306,7 @@ inline WriteArgs make_write_args(TensorView records, TensorView swa_map, int64_t
     TVM_FFI_CHECK(tags[hh] >= 0 && tags[hh] < kNumLaunchTags, ValueError)
         << "launch tag of half " << hh << " (" << tags[hh] << ") out of range";
   }
-  check_i64_tensor(ring_rows, records, 2, "ring_rows", "records");
-  check_dim(ring_rows, 1, kNumViolationCols, "ring_rows");
-  check_i64_tensor(ring_count, records, 1, "ring_count", "records");
-  check_dim(ring_count, 0, 1, "ring_count");
-  check_i64_tensor(counters, records, 2, "counters", "records");
-  check_dim(counters, 0, kNumLaunchTags, "counters");
-  check_dim(counters, 1, kNumCounterCols, "counters");
-  check_i64_tensor(step, records, 1, "step", "records");
-  check_dim(step, 0, 1, "step");
+  check_sink(ring_rows, ring_count, counters, step, records, "records");
   check_i64_tensor(pool_tokens, records, has_pool ? 2 : pool_tokens.ndim(), "pool_tokens", "records");
   check_i64_tensor(pool_lens, records, 1, "pool_lens", "records");
   if (has_pool) {

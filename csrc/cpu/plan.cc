@@ -59,10 +59,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
   check_dim(prefix_lens, 0, bs, "prefix_lens");
   check_i64_tensor(extend_lens, req_pool_indices, 1, "extend_lens", "req_pool_indices");
   check_dim(extend_lens, 0, bs, "extend_lens");
-  check_index_dtype(req_to_token, "req_to_token");
-  check_ndim(req_to_token, 2, "req_to_token");
-  check_contiguous(req_to_token, "req_to_token");
-  check_same_device(req_to_token, req_pool_indices, "req_to_token", "req_pool_indices");
+  check_slot_table(req_to_token, req_pool_indices, "req_to_token", "req_pool_indices");
   check_plan_out(plan, status, req_pool_indices, "req_pool_indices", bs);
   check_optional(expect_prefix, has_expect_prefix, req_pool_indices, bs, "expect_prefix", "req_pool_indices");
   check_optional(expect_new, has_expect_new, req_pool_indices, bs, "expect_new", "req_pool_indices");
