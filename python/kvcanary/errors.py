@@ -13,3 +13,7 @@ class CanaryInputError(KVCanaryError, ValueError):
 
 class BackendUnavailableError(KVCanaryError, RuntimeError):
     """The requested backend (cpu / cuda native module) cannot be built or loaded here."""
+
+
+class KVCanaryInternalError(KVCanaryError, RuntimeError):
+    """An internal invariant was broken (a kvcanary bug, or state mutated behind its back); never raised by design."""

@@ -30,7 +30,7 @@ from kvcanary_schema import (
 
 from kvcanary.adapter import BatchView, EngineAdapter, PoolDescription, PrefixCacheExport, TransferBuffer
 from kvcanary.config import CanaryConfig, CanaryMode, CoveragePolicy
-from kvcanary.errors import CanaryInputError, KVCanaryError
+from kvcanary.errors import CanaryInputError, KVCanaryError, KVCanaryInternalError
 from kvcanary.health import CanaryHealthError, Health, HealthProblem
 from kvcanary.ops.hashes import to_i64
 from kvcanary.ops.plan import plan_forward
@@ -345,13 +345,18 @@ class CanaryManager:
 
     # ------------------------------------------------------------------ device parts
 
+    def _slot_table(self) -> torch.Tensor:
+        """The slot table of the open forward (set by begin_forward)."""
+        if self._table is None:
+            raise KVCanaryInternalError("no slot table: a device part ran outside begin_forward")
+        return self._table
+
     def _plan(self, g: GroupState) -> None:
         st, bs, nt, cfg = self.state, self._bs, self._nt, self.config
-        assert self._table is not None
         chain = cfg.token_truth == TokenTruth.CHAIN
         window = g.window if g.stripe_plan is None else cfg.window_links
         plan_forward(g.plan, g.status, st.req_pool_indices[:bs], st.prefix_lens[:bs], st.extend_lens[:bs],
-                     self._table, nt, window=window, padding_row=self.pool.padding_row,
+                     self._slot_table(), nt, window=window, padding_row=self.pool.padding_row,
                      expect_prefix=st.expect_prefix[:bs] if chain else None,
                      expect_new=st.expect_new[:bs] if chain else None, backend=self.backend)
         if chain and (self._mask_needed or self._kind == ForwardKind.CAPTURE):  # EXPECT_* only where truth is known
@@ -360,23 +365,22 @@ class CanaryManager:
             g.plan[:, PlanCol.FLAGS].bitwise_and_(st.seg_mask)
         if g.stripe_plan is not None and g.stripe_status is not None:
             plan_forward(g.stripe_plan, g.stripe_status, st.req_pool_indices[:bs], st.stripe_end[:bs],
-                         st.zeros[:bs], self._table, nt, window=cfg.stripe_size, padding_row=self.pool.padding_row,
+                         st.zeros[:bs], self._slot_table(), nt, window=cfg.stripe_size,
+                         padding_row=self.pool.padding_row,
                          backend=self.backend)
 
     def _verify(self, g: GroupState, stage: Stage) -> None:
         st = self.state
         fp = g.fingerprint if stage == Stage.TAIL else None
-        assert self._table is not None
-        verify(g.views(stage), stage, g.plan, g.status, self._table, st.sink, token_pool=st.token_pool,
+        verify(g.views(stage), stage, g.plan, g.status, self._slot_table(), st.sink, token_pool=st.token_pool,
                fingerprint=fp, backend=self.backend)
         if g.stripe_plan is not None and g.stripe_status is not None:
-            verify(g.views(stage), stage, g.stripe_plan, g.stripe_status, self._table, st.sink,
+            verify(g.views(stage), stage, g.stripe_plan, g.stripe_status, self._slot_table(), st.sink,
                    token_pool=st.token_pool, fingerprint=fp, backend=self.backend)
 
     def _write(self, g: GroupState, stage: Stage) -> None:
         st, nt = self.state, self._nt
-        assert self._table is not None
-        write(g.views(stage), stage, g.plan, g.status, self._table, st.input_ids[:nt], st.positions[:nt],
+        write(g.views(stage), stage, g.plan, g.status, self._slot_table(), st.input_ids[:nt], st.positions[:nt],
               st.out_cache_loc[:nt], st.sink, checks=self._checks, token_pool=st.token_pool,
               fingerprint=g.fingerprint if stage == Stage.TAIL else None, backend=self.backend)
 
@@ -481,7 +485,8 @@ class CanaryManager:
 
     def _scatter(self, reqs: list[tuple[int, int, int, Sequence[int]]]) -> None:
         st = self.state
-        assert st.token_pool is not None
+        if st.token_pool is None:
+            raise KVCanaryInternalError("st.token_pool is unset: an invariant of the bracket was broken")
         d = self.device
         flat = [t for _, _, _, toks in reqs for t in toks]
         meta = torch.tensor([[r for r, _, _, _ in reqs], [s for _, s, _, _ in reqs], [c for _, _, c, _ in reqs]],
@@ -537,7 +542,8 @@ class CanaryManager:
         st.reset_span.zero_()
         if self.device.type == "cuda":
             stream = st.stream
-            assert stream is not None
+            if stream is None:
+                raise KVCanaryInternalError("stream is unset: an invariant of the bracket was broken")
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 self._snap_host[k].copy_(snap, non_blocking=True)

@@ -23,7 +23,7 @@ from kvcanary_schema import (
 
 from kvcanary.adapter import BatchView, PrefixCacheExport, TransferBuffer
 from kvcanary.config import PerturbConfig, PerturbMode
-from kvcanary.errors import CanaryInputError
+from kvcanary.errors import CanaryInputError, KVCanaryInternalError
 from kvcanary.state import CanaryState, GroupState
 
 logger = logging.getLogger("kvcanary")
@@ -359,7 +359,8 @@ class Perturber:
     def _flip_kv(self, g: GroupState, t: int, position: int, multi: bool) -> dict[str, Any] | None:
         """Flip bytes of table slot ``t`` in a source the fingerprint hashes at ``position``."""
         fp = g.fingerprint
-        assert fp is not None
+        if fp is None:
+            raise KVCanaryInternalError("fp is unset: an invariant of the bracket was broken")
         gslot = self._gslot(g, t)
         if gslot < g.spec.reserved_slots:
             return None
