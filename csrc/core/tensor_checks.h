@@ -71,7 +71,8 @@ inline void check_plan_status(const TensorView& plan, const TensorView& status, 
   check_i64_tensor(status, ref, 1, "status", ref_name);
   check_dim(status, 0, kNumPlanStatusCols, "status");
 }
-// The sink: ring rows [cap, NUM_VIOLATION_COLS], ring count [1], counters [NUM_LAUNCH_TAGS, NUM_COUNTER_COLS], step [1].
+// The sink: ring rows [cap, NUM_VIOLATION_COLS], ring count [1], counters [NUM_LAUNCH_TAGS, NUM_COUNTER_COLS],
+// step [1].
 inline void check_sink(const TensorView& ring_rows, const TensorView& ring_count, const TensorView& counters,
                        const TensorView& step, const TensorView& ref, const char* ref_name) {
   check_i64_tensor(ring_rows, ref, 2, "ring_rows", ref_name);
@@ -83,6 +84,50 @@ inline void check_sink(const TensorView& ring_rows, const TensorView& ring_count
   check_dim(counters, 1, kNumCounterCols, "counters");
   check_i64_tensor(step, ref, 1, "step", ref_name);
   check_dim(step, 0, 1, "step");
+}
+
+// fingerprint op: table int64 [H, n, NUM_FP_SOURCE_COLS], half < H, a FingerprintMode, stride >= 1, and slots,
+// positions, out int64 [N] on the table's device; returns N.
+inline int64_t check_fingerprint_args(DLDeviceType device, const TensorView& table, int64_t half,
+                                      const TensorView& slots, const TensorView& positions, int64_t mode,
+                                      int64_t layer_stride, int64_t num_slots, const TensorView& out) {
+  check_i64(table, "fp_table");
+  check_contiguous(table, "fp_table");
+  check_device_type(table, device, "fp_table");
+  TVM_FFI_CHECK(table.ndim() == 3 && table.size(2) == kNumFpSourceCols, ValueError)
+      << "fp_table must be [H, n, " << kNumFpSourceCols << "]";
+  TVM_FFI_CHECK(half >= 0 && half < table.size(0), ValueError) << "half " << half << " outside the fp_table";
+  TVM_FFI_CHECK(mode >= static_cast<int64_t>(FingerprintMode::NONE) &&
+                    mode <= static_cast<int64_t>(FingerprintMode::ALL),
+                ValueError)
+      << "fingerprint mode " << mode << " is not a FingerprintMode";
+  TVM_FFI_CHECK(layer_stride >= 1, ValueError) << "layer_stride must be >= 1, got " << layer_stride;
+  check_i64_tensor(slots, table, 1, "slots", "fp_table");
+  check_i64_tensor(positions, table, 1, "positions", "fp_table");
+  check_i64_tensor(out, table, 1, "out", "fp_table");
+  const int64_t n = slots.size(0);
+  check_dim(positions, 0, n, "positions");
+  check_dim(out, 0, n, "out");
+  TVM_FFI_CHECK(num_slots >= 0, ValueError) << "num_slots must be >= 0";
+  return n;
+}
+
+// scatter_tokens: pool_tokens int64 [R, L], pool_lens [R], rows/starts/counts [n], tokens [T], status [1], one device.
+inline void check_scatter_args(DLDeviceType device, const TensorView& pool_tokens, const TensorView& pool_lens,
+                               const TensorView& rows, const TensorView& starts, const TensorView& counts,
+                               const TensorView& tokens, const TensorView& status) {
+  check_i64_tensor(pool_tokens, pool_tokens, 2, "pool_tokens", "pool_tokens");
+  check_device_type(pool_tokens, device, "pool_tokens");
+  check_i64_tensor(pool_lens, pool_tokens, 1, "pool_lens", "pool_tokens");
+  check_i64_tensor(rows, pool_tokens, 1, "rows", "pool_tokens");
+  check_i64_tensor(starts, pool_tokens, 1, "starts", "pool_tokens");
+  check_i64_tensor(counts, pool_tokens, 1, "counts", "pool_tokens");
+  check_i64_tensor(tokens, pool_tokens, 1, "tokens", "pool_tokens");
+  check_i64_tensor(status, pool_tokens, 1, "status", "pool_tokens");
+  check_dim(pool_lens, 0, pool_tokens.size(0), "pool_lens");
+  check_dim(starts, 0, rows.size(0), "starts");
+  check_dim(counts, 0, rows.size(0), "counts");
+  check_dim(status, 0, 1, "status");
 }
 
 }  // namespace kvcanary

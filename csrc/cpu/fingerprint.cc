@@ -12,30 +12,9 @@
 
 namespace kvcanary {
 
-// Host checks shared with the CUDA entry: table shape, half, mode, stride.
-inline void check_fp_args(const TensorView& table, int64_t half, int64_t mode, int64_t layer_stride) {
-  check_i64(table, "fp_table");
-  check_contiguous(table, "fp_table");
-  TVM_FFI_CHECK(table.ndim() == 3 && table.size(2) == kNumFpSourceCols, ValueError)
-      << "fp_table must be [H, n, " << kNumFpSourceCols << "]";
-  TVM_FFI_CHECK(half >= 0 && half < table.size(0), ValueError) << "half " << half << " outside the fp_table";
-  TVM_FFI_CHECK(mode >= static_cast<int64_t>(FingerprintMode::NONE) && mode <= static_cast<int64_t>(FingerprintMode::ALL),
-                ValueError)
-      << "fingerprint mode " << mode << " is not a FingerprintMode";
-  TVM_FFI_CHECK(layer_stride >= 1, ValueError) << "layer_stride must be >= 1, got " << layer_stride;
-}
-
 void fingerprint(TensorView table, int64_t half, TensorView slots, TensorView positions, int64_t mode,
                  int64_t layer_stride, int64_t num_slots, TensorView out) {
-  check_fp_args(table, half, mode, layer_stride);
-  check_device_type(table, kDLCPU, "fp_table");
-  check_i64_tensor(slots, table, 1, "slots", "fp_table");
-  check_i64_tensor(positions, table, 1, "positions", "fp_table");
-  check_i64_tensor(out, table, 1, "out", "fp_table");
-  const int64_t n = slots.size(0);
-  check_dim(positions, 0, n, "positions");
-  check_dim(out, 0, n, "out");
-  TVM_FFI_CHECK(num_slots >= 0, ValueError) << "num_slots must be >= 0";
+  const int64_t n = check_fingerprint_args(kDLCPU, table, half, slots, positions, mode, layer_stride, num_slots, out);
   const auto* s = static_cast<const int64_t*>(slots.data_ptr());
   const auto* p = static_cast<const int64_t*>(positions.data_ptr());
   auto* o = static_cast<int64_t*>(out.data_ptr());

@@ -16,19 +16,8 @@ namespace kvcanary {
 
 void scatter_tokens(TensorView pool_tokens, TensorView pool_lens, TensorView rows, TensorView starts,
                     TensorView counts, TensorView tokens, TensorView status) {
-  check_i64_tensor(pool_tokens, pool_tokens, 2, "pool_tokens", "pool_tokens");
-  check_device_type(pool_tokens, kDLCPU, "pool_tokens");
-  check_i64_tensor(pool_lens, pool_tokens, 1, "pool_lens", "pool_tokens");
-  check_i64_tensor(rows, pool_tokens, 1, "rows", "pool_tokens");
-  check_i64_tensor(starts, pool_tokens, 1, "starts", "pool_tokens");
-  check_i64_tensor(counts, pool_tokens, 1, "counts", "pool_tokens");
-  check_i64_tensor(tokens, pool_tokens, 1, "tokens", "pool_tokens");
-  check_i64_tensor(status, pool_tokens, 1, "status", "pool_tokens");
+  check_scatter_args(kDLCPU, pool_tokens, pool_lens, rows, starts, counts, tokens, status);
   const int64_t R = pool_tokens.size(0), L = pool_tokens.size(1), n = rows.size(0), T = tokens.size(0);
-  check_dim(pool_lens, 0, R, "pool_lens");
-  check_dim(starts, 0, n, "starts");
-  check_dim(counts, 0, n, "counts");
-  check_dim(status, 0, 1, "status");
   auto* pool = static_cast<int64_t*>(pool_tokens.data_ptr());
   auto* lens = static_cast<int64_t*>(pool_lens.data_ptr());
   const auto* r = static_cast<const int64_t*>(rows.data_ptr());

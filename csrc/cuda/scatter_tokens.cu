@@ -57,19 +57,8 @@ __global__ void __launch_bounds__(kScatterThreads) scatter_tokens_kernel(Scatter
 
 void scatter_tokens(TensorView pool_tokens, TensorView pool_lens, TensorView rows, TensorView starts,
                     TensorView counts, TensorView tokens, TensorView status) {
-  check_i64_tensor(pool_tokens, pool_tokens, 2, "pool_tokens", "pool_tokens");
-  check_cuda(pool_tokens, "pool_tokens");
-  check_i64_tensor(pool_lens, pool_tokens, 1, "pool_lens", "pool_tokens");
-  check_i64_tensor(rows, pool_tokens, 1, "rows", "pool_tokens");
-  check_i64_tensor(starts, pool_tokens, 1, "starts", "pool_tokens");
-  check_i64_tensor(counts, pool_tokens, 1, "counts", "pool_tokens");
-  check_i64_tensor(tokens, pool_tokens, 1, "tokens", "pool_tokens");
-  check_i64_tensor(status, pool_tokens, 1, "status", "pool_tokens");
+  check_scatter_args(kDLCUDA, pool_tokens, pool_lens, rows, starts, counts, tokens, status);
   const int64_t R = pool_tokens.size(0), L = pool_tokens.size(1), n = rows.size(0), T = tokens.size(0);
-  check_dim(pool_lens, 0, R, "pool_lens");
-  check_dim(starts, 0, n, "starts");
-  check_dim(counts, 0, n, "counts");
-  check_dim(status, 0, 1, "status");
   if (n == 0) return;
   const ScatterLaunch a{static_cast<int64_t*>(pool_tokens.data_ptr()), static_cast<int64_t*>(pool_lens.data_ptr()),
                         static_cast<const int64_t*>(rows.data_ptr()), static_cast<const int64_t*>(starts.data_ptr()),
