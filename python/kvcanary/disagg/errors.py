@@ -6,11 +6,19 @@ from kvcanary.errors import KVCanaryError
 
 
 class TransferError(KVCanaryError, RuntimeError):
-    """A transfer between the prefill and decode roles failed."""
+    """A transfer between the prefill and decode roles failed.
+
+    The message is one line: ``"<role>: <step>: <cause>"``. ``detail`` keeps what the transport said (gloo/NCCL
+    text, source paths) for the log; it never goes into the message.
+    """
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 class PeerLostError(TransferError):
-    """The peer process died or closed its connection."""
+    """The peer process died, closed its connection, or gave up and said so (ABORT)."""
 
 
 class TransferTimeoutError(TransferError):
