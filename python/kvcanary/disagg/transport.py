@@ -210,13 +210,17 @@ class Channel:
                                           status=msg.status), msg)
             self._inbox.put(msg)
 
+    def _recv_control(self, t: torch.Tensor) -> None:
+        work: Any = dist.irecv(t, self.peer, group=self.control)
+        work.wait(FOREVER)
+
     def _read_one(self) -> Message:
         h = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-        dist.irecv(h, self.peer, group=self.control).wait(FOREVER)
+        self._recv_control(h)
         n = decode_header(h)
         body = torch.zeros(n, dtype=torch.int64)
         if n:
-            dist.irecv(body, self.peer, group=self.control).wait(FOREVER)
+            self._recv_control(body)
         msg = decode(h, body)
         if msg.seq != self._seq_in:
             raise TransferProtocolError(f"message sequence {msg.seq}, expected {self._seq_in}")
@@ -317,7 +321,10 @@ class Channel:
             if time.monotonic() > deadline:
                 raise self.error(TransferTimeoutError, step, f"not complete within {self.timeout_s:g} s")
             self._ended.wait(POLL_S)
-        work.wait()  # complete: only orders the current stream after the transfer
+        try:
+            work.wait()  # complete: only orders the current stream after the transfer
+        except RuntimeError as err:  # completed with an error (e.g. the watchdog aborted the communicator)
+            raise self._typed(err, step) from err
 
     def send_payload(self, buf: torch.Tensor, step: str = "send the payload") -> None:
         """Send a payload whose size the peer learned from the OFFER."""
