@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .campaign import CAMPAIGN_IDLE_S, CAMPAIGN_STARTUP_S, CAMPAIGN_TIMEOUT_S, format_row, judge
+from .campaign import CAMPAIGN_IDLE_S, CAMPAIGN_STARTUP_S, CAMPAIGN_TIMEOUT_S, error_line, format_row, judge
 from .engines import MODELS, Workload
 from .launcher import LaunchConfig, launch
 from .transport import FaultName, FaultSpec
@@ -73,7 +73,7 @@ def _line(r: dict[str, Any]) -> str:
         f"disagg {r['device']} model={r['model']} requests={r['requests']} fault={r['fault']}",
         f"  ok={r['ok']} failed={r['failed']}",
         f"  detected={r['detected']} prefill_violations={r['prefill_violations']}",
-        f"  outputs_match_reference={r['outputs_match_reference']} errors={r['errors']}",
+        f"  outputs_match_reference={r['outputs_match_reference']} errors={error_line(r)}",
         f"  transfer: kv={ov['kv_bytes']} B canary={ov['canary_bytes']} B ({ov['canary_pct_of_kv']}% of KV); "
         f"per slot {ov['bytes_per_row']}"])
 

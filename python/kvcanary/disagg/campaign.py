@@ -84,8 +84,12 @@ def _check(r: dict[str, Any], want: Expect) -> str:
         return ", ".join(keys) or "not detected"
     if want.rejected:
         return "REJECT " + ", ".join(f"{rid}: {r['failed'].get(rid)}" for rid in r["victims"])
-    errs = [f"{e['type']}: {e['message']}" for e in (r["errors"]["prefill"], r["errors"]["decode"]) if e]
-    return " | ".join(errs) or "no error"
+    return error_line(r)
+
+
+def error_line(r: dict[str, Any]) -> str:
+    """Each role's error as "TYPE: message", one line (the transport's own text stays in the JSON's detail)."""
+    return " | ".join(f"{e['type']}: {e['message']}" for e in r["errors"].values() if e) or "no error"
 
 
 def judge(r: dict[str, Any]) -> dict[str, Any]:
