@@ -200,7 +200,7 @@ class Channel:
                 msg = self._read_one()
             except TransferProtocolError as err:
                 return self._stop(PeerEnd("protocol", str(err)))
-            except RuntimeError as err:  # gloo: connection closed / reset (DistError is a RuntimeError)
+            except Exception as err:  # gloo: connection closed / reset; anything else ends the channel as well
                 return self._stop(PeerEnd("lost", f"{self.peer_role} is gone", transport_detail(err)))
             if msg.kind == MsgKind.BYE:
                 return self._stop(PeerEnd("bye", f"{self.peer_role} said BYE"), msg)
