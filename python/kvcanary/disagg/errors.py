@@ -33,5 +33,5 @@ class TransferRejectedError(TransferError):
     """The decode side refused one request's transfer (bad length, no capacity); other requests go on."""
 
     def __init__(self, req_key: int, status: int, reason: str) -> None:
-        super().__init__(f"transfer of request {req_key} rejected: {reason} (status {status})")
+        super().__init__(f"prefill: the OFFER of request {req_key}: decode rejected it ({reason}, status {status})")
         self.req_key, self.status, self.reason = req_key, status, reason
