@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +30,8 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def _descendants(root: int) -> dict[int, str]:
-    """Running processes below ``root`` and their command lines."""
+def _descendants(root: int) -> dict[int, tuple[int, str]]:
+    """Running processes below ``root``: their parent and command line."""
     parent: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -41,9 +43,15 @@ def _descendants(root: int) -> dict[int, str]:
     while frontier:
         frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - found
         found |= frontier
-    cmd = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-           for pid in found if _running(pid)}
-    return cmd
+    out = {}
+    for pid in found:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if _running(pid):
+            out[pid] = (parent[pid], cmd)
+    return out
 
 
 def _no_role_left(result: dict[str, Any]) -> None:
@@ -52,7 +60,7 @@ def _no_role_left(result: dict[str, Any]) -> None:
     while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [pid for pid in pids if _running(pid)]
-    others = {pid: cmd for pid, cmd in _descendants(os.getpid()).items() if not any(h in cmd for h in MP_HELPERS)}
+    others = {pid: cmd for pid, (_, cmd) in _descendants(os.getpid()).items() if not any(h in cmd for h in MP_HELPERS)}
     assert others == {}
 
 
@@ -86,3 +94,25 @@ def test_campaign_judge_fails_a_fault_that_goes_undetected() -> None:
                             token_truth="off", timeout_s=2.0, idle_timeout_s=5.0, start_method="forkserver"))
     row = judge(r)
     assert row["outcome"].startswith("FAIL: req1 not caught by") and row["check"] == "not detected"
+
+
+
+def test_roles_die_with_a_killed_launcher() -> None:
+    """A launcher killed mid-run (e.g. by a script's time limit) leaves no role behind: they die with their parent."""
+    cmd = [sys.executable, "-m", "kvcanary.disagg", "--fault", "stall_decode", "--target", "0", "--timeout", "30",
+           "--idle-timeout", "60", "--start-method", "forkserver"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    roles: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while len(roles) < 2 and time.monotonic() < deadline:  # the roles are the forkserver's children
+            time.sleep(0.2)
+            roles = {pid for pid, (ppid, _) in _descendants(launcher.pid).items() if ppid != launcher.pid}
+        assert len(roles) == 2
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in roles) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in roles if _running(pid)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from .transport import Channel, FaultName, FaultSpec, transport_detail
 PREFILL_RANK, DECODE_RANK = 0, 1
 ROLES = ("prefill", "decode")
 TEARDOWN_HUNG = 4  # exit code of a role whose clean process-group teardown did not finish within timeout_s
+LAUNCHER_GONE = 5  # exit code of a role whose launcher died
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,33 @@ def make_canary(engine: Engine, cfg: LaunchConfig) -> CanaryBinding | None:
     return install_on_engine(engine, transfer_config(cfg.backend, cfg.token_truth, cfg.layer_coverage))
 
 
-def _role_main(rank: int, cfg: LaunchConfig, port: int, out: str) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _end_with_launcher(pid: int) -> None:
+    """The role leaves (exit LAUNCHER_GONE) as soon as the launcher dies, say killed by a script's time limit.
+
+    The launcher, not the parent: a forkserver parent outlives the launcher for as long as its children live.
+    """
+    def watch() -> None:
+        try:
+            select.select([os.pidfd_open(pid)], [], [])  # readable once the process has exited
+        except (OSError, AttributeError):  # no pidfd here, or the launcher is already gone: poll
+            while _alive(pid):
+                time.sleep(0.5)
+        os._exit(LAUNCHER_GONE)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def _role_main(rank: int, cfg: LaunchConfig, port: int, out: str, launcher: int) -> None:
     """Entry point of one spawned role: run it and write its JSON report (an unexpected crash is reported too)."""
+    _end_with_launcher(launcher)
     try:
         report, clean = _run_role(rank, cfg, port)
     except Exception as err:  # report any crash as the role's typed error instead of dying silently
@@ -209,7 +236,7 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     reports: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvcanary-disagg-") as tmp:
         paths = [os.path.join(tmp, f"role{r}.json") for r in (PREFILL_RANK, DECODE_RANK)]
-        procs = [ctx.Process(target=_role_main, args=(r, cfg, port, paths[r]), daemon=True)  # type: ignore[attr-defined]
+        procs = [ctx.Process(target=_role_main, args=(r, cfg, port, paths[r], os.getpid()), daemon=True)  # type: ignore[attr-defined]
                  for r in (PREFILL_RANK, DECODE_RANK)]
         t0 = time.monotonic()
         for p in procs:
