@@ -32,7 +32,7 @@ from .transport import Channel, FaultName, FaultSpec, transport_detail
 
 PREFILL_RANK, DECODE_RANK = 0, 1
 ROLES = ("prefill", "decode")
-TEARDOWN_HUNG = 4  # exit code of a role whose clean process-group teardown did not finish within timeout_s
+TEARDOWN_HUNG = 4  # exit code of a role whose clean process-group teardown did not finish in time
 LAUNCHER_GONE = 5  # exit code of a role whose launcher died
 
 
@@ -127,7 +127,8 @@ def _role_main(rank: int, cfg: LaunchConfig, port: int, out: str, launcher: int)
     sys.stderr.flush()
     if not clean:  # a process group with a dead peer or a pending NCCL operation may block in teardown: leave now
         os._exit(0)
-    guard = threading.Timer(cfg.timeout_s, os._exit, (TEARDOWN_HUNG,))  # a clean teardown is bounded as well
+    # a clean teardown is bounded too, by the wait allowance a clean run did not use (NCCL's takes about a second)
+    guard = threading.Timer(cfg.wait_s, os._exit, (TEARDOWN_HUNG,))
     guard.daemon = True
     guard.start()
     dist.destroy_process_group()
@@ -145,7 +146,9 @@ def _run_role(rank: int, cfg: LaunchConfig, port: int) -> tuple[dict[str, Any], 
         for key, value in (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"), ("NCCL_NVLS_ENABLE", "0")):
             os.environ.setdefault(key, value)
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=max(cfg.timeout_s, cfg.idle_s))
+    # joining may wait for the peer's start (spawn imports torch: seconds on a busy machine); transfer waits have
+    # their own limits (Channel), so the group's timeout only bounds the setup and the NCCL watchdog
+    timeout = timedelta(seconds=cfg.bound_s)
     try:
         if gpu:
             dist.init_process_group("nccl", rank=rank, world_size=2, timeout=timeout, device_id=device)
@@ -155,7 +158,8 @@ def _run_role(rank: int, cfg: LaunchConfig, port: int) -> tuple[dict[str, Any], 
     except (RuntimeError, dist.DistError) as err:  # the peer never joined (or died while joining)
         raise PeerLostError(f"{ROLES[rank]}: join the process group: {ROLES[1 - rank]} never joined",
                             transport_detail(err)) from err
-    channel = Channel(1 - rank, control, dist.group.WORLD, cfg.timeout_s, cfg.idle_s, ROLES[rank], ROLES[1 - rank])
+    channel = Channel(1 - rank, control, dist.group.WORLD, cfg.timeout_s, cfg.idle_s, ROLES[rank], ROLES[1 - rank],
+                      setup_timeout_s=cfg.startup_s)
     model = model_config(cfg.model)
     requests = cfg.workload.requests(model.vocab_size)
     econf = engine_config(page_size=cfg.page_size)

@@ -59,7 +59,7 @@ def handshake(channel: Channel, layout: TransferLayout, first: bool) -> None:
     mine = Message(MsgKind.HELLO, digest=layout.digest)
     if first:
         channel.send(mine)
-    peer = channel.recv(MsgKind.HELLO, idle=True, step="HELLO")
+    peer = channel.recv(MsgKind.HELLO, step="HELLO", limit=channel.setup_timeout_s)
     if not first:
         channel.send(mine)
     if peer.digest != layout.digest:

@@ -175,12 +175,14 @@ class Channel:
     """
 
     def __init__(self, peer: int, control_group: Any, data_group: Any, timeout_s: float,
-                 idle_timeout_s: float | None = None, role: str = "prefill", peer_role: str = "decode") -> None:
+                 idle_timeout_s: float | None = None, role: str = "prefill", peer_role: str = "decode",
+                 setup_timeout_s: float | None = None) -> None:
         idle = 6 * timeout_s if idle_timeout_s is None else idle_timeout_s
         if timeout_s <= 0 or idle < timeout_s:
             raise CanaryInputError(f"need 0 < timeout_s <= idle_timeout_s, got {timeout_s}, {idle}")
         self.peer, self.control, self.data, self.timeout_s = peer, control_group, data_group, timeout_s
         self.idle_timeout_s, self.role, self.peer_role = idle, role, peer_role
+        self.setup_timeout_s = max(idle, setup_timeout_s or 0.0)  # HELLO: the peer may still be building its engine
         self._seq_out = 0
         self._seq_in = 0
         self.bytes_sent = 0
@@ -282,13 +284,14 @@ class Channel:
         if body.numel():
             self._wait(lambda: dist.isend(body, self.peer, group=self.control), step)
 
-    def recv(self, *kinds: MsgKind, idle: bool = False, step: str | None = None) -> Message:
+    def recv(self, *kinds: MsgKind, idle: bool = False, step: str | None = None, limit: float | None = None) -> Message:
         """Receive the next control message; raise unless it is one of ``kinds`` (ABORT always raises).
 
-        ``idle``: the peer may have work to do before it answers (wait up to ``idle_timeout_s``).
+        ``idle``: the peer may have work to do before it answers (wait up to ``idle_timeout_s``); ``limit``: another
+        wait (seconds).
         """
         step = step or f"receive {' or '.join(k.name for k in kinds) or 'a message'}"
-        limit = self.idle_timeout_s if idle else self.timeout_s
+        limit = limit if limit is not None else (self.idle_timeout_s if idle else self.timeout_s)
         try:
             msg = self._inbox.get(timeout=limit)
         except queue.Empty:
