@@ -187,7 +187,6 @@ class Channel:
         self._seq_in = 0
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.peer_aborted = False
         self._inbox: queue.Queue[Message | None] = queue.Queue()
         self.end: PeerEnd | None = None  # set by the reader when it stops
         self._ended = threading.Event()
@@ -207,7 +206,6 @@ class Channel:
             if msg.kind == MsgKind.BYE:
                 return self._stop(PeerEnd("bye", f"{self.peer_role} said BYE"), msg)
             if msg.kind == MsgKind.ABORT:
-                self.peer_aborted = True
                 return self._stop(PeerEnd("abort", f"{self.peer_role} gave up ({_status_name(msg.status)})",
                                           status=msg.status), msg)
             self._inbox.put(msg)
