@@ -11,9 +11,9 @@ from kvcanary.engine.scheduler import ReqState, Request
 
 from .canary import CanaryBinding, engine_layout
 from .engines import DecodeEngine, request_id
-from .errors import TransferError, TransferProtocolError
+from .errors import TransferError
 from .session import RoleReport, handshake
-from .transport import Channel, Delivery, FaultName, FaultSpec, FaultSwitch, Message, MsgKind, Status
+from .transport import Channel, Delivery, FaultName, FaultSpec, FaultSwitch, Message, MsgKind, Status, abort_status
 
 
 class DecodeRole:
@@ -39,8 +39,10 @@ class DecodeRole:
             handshake(self.channel, self.layout, first=False)
             index = 0
             while True:
-                msg = self.channel.recv(MsgKind.OFFER, MsgKind.BYE, idle=True)  # prefill computes in between
+                msg = self.channel.recv(MsgKind.OFFER, MsgKind.BYE, idle=True,  # prefill computes in between
+                                        step="wait for the next OFFER")
                 if msg.kind == MsgKind.BYE:
+                    self.channel.send(Message(MsgKind.BYE), step="answer BYE")
                     break
                 self._receive(index, msg)
                 index += 1
@@ -52,7 +54,7 @@ class DecodeRole:
                 self.report.fail(state.rid, f"transfer stopped: {type(err).__name__}")
                 self.engine.drop(state)
             self._pending.clear()
-            self.channel.abort(Status.PROTOCOL if isinstance(err, TransferProtocolError) else Status.PEER_ERROR)
+            self.channel.abort(abort_status(err))
         while self.engine.step():
             self._poll(final=False)
         self._poll(final=True)
@@ -83,7 +85,8 @@ class DecodeRole:
         if self.fault.hits(FaultName.KILL_DECODE, index):
             os._exit(3)  # the fault: this process dies after the OFFER, before answering
         if self.fault.hits(FaultName.STALL_DECODE, index):
-            time.sleep(self.channel.idle_timeout_s * 1.5)  # the fault: alive but silent past the peer's timeout
+            # the fault: alive but silent past the peer's wait for the GRANT (ends early once the peer gives up)
+            self.channel.stall(self.channel.idle_timeout_s + self.channel.timeout_s)
         req, status = self._validate(msg)
         reservation = None
         if req is not None and status == Status.OK:
@@ -93,15 +96,17 @@ class DecodeRole:
                 reservation = self.engine.reserve(req, msg.first_token, msg.full_rows, msg.swa_rows)
             status = Status.OK if reservation is not None else Status.NO_CAPACITY
         if reservation is None:
-            self.channel.send(Message(MsgKind.REJECT, req_key=msg.req_key, status=int(status)))
+            self.channel.send(Message(MsgKind.REJECT, req_key=msg.req_key, status=int(status)),
+                              step=f"send the REJECT of {rid}")
             self.report.fail(rid, "rejected", why=Status(status).name, index=index)
             return
         self._pending[index] = reservation
         self.report.requests[rid] = {"status": "receiving", "index": index, "prefix_len": msg.prefix_len,
                                      "swa_rows": msg.swa_rows}
-        self.channel.send(Message(MsgKind.GRANT, req_key=msg.req_key))
-        payload = self.channel.recv_payload(msg.payload_bytes, self.layout.device)
-        self.channel.send(Message(MsgKind.ACK, req_key=msg.req_key, status=int(Status.OK)))
+        self.channel.send(Message(MsgKind.GRANT, req_key=msg.req_key), step=f"send the GRANT of {rid}")
+        payload = self.channel.recv_payload(msg.payload_bytes, self.layout.device, step=f"receive the payload of {rid}")
+        self.channel.send(Message(MsgKind.ACK, req_key=msg.req_key, status=int(Status.OK)),
+                          step=f"send the ACK of {rid}")
         self.report.transfers += 1
         self.report.payload_bytes += msg.payload_bytes
         kv, canary = self.layout.split_bytes(msg.full_rows, msg.swa_rows)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -24,11 +26,14 @@ from kvcanary.errors import CanaryInputError
 from .canary import CanaryBinding
 from .decode import DecodeRole
 from .engines import DecodeEngine, PrefillEngine, Workload, engine_config, model_config
-from .errors import PeerLostError
+from .errors import PeerLostError, TransferError
 from .prefill import PrefillRole
-from .transport import Channel, FaultName, FaultSpec
+from .transport import Channel, FaultName, FaultSpec, transport_detail
 
 PREFILL_RANK, DECODE_RANK = 0, 1
+ROLES = ("prefill", "decode")
+TEARDOWN_HUNG = 4  # exit code of a role whose clean process-group teardown did not finish in time
+LAUNCHER_GONE = 5  # exit code of a role whose launcher died
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class LaunchConfig:
     layer_coverage: str = "all"  # first / all / sample
     timeout_s: float = 10.0  # a transfer step (payload, ACK)
     idle_timeout_s: float | None = None  # waiting for the next OFFER or a GRANT; None: 6 x timeout_s
+    startup_s: float = 120.0  # starting both roles, the workload itself and the reference run (no waits)
     reference: bool = True  # decode side re-runs the workload on one engine and compares outputs
     page_size: int = 1
     start_method: str = "spawn"  # "forkserver" (tests): torch is imported once by the server, not per role
@@ -53,6 +59,17 @@ class LaunchConfig:
     def idle_s(self) -> float:
         """How long a role waits for a message its peer may first have to compute (next OFFER, GRANT)."""
         return 6 * self.timeout_s if self.idle_timeout_s is None else self.idle_timeout_s
+
+    @property
+    def wait_s(self) -> float:
+        """The longest the fault makes a role wait: one idle wait and one step; a silent peer adds a step."""
+        extra = self.timeout_s if self.fault.name == FaultName.STALL_DECODE else 0.0
+        return self.idle_s + self.timeout_s + extra
+
+    @property
+    def bound_s(self) -> float:
+        """The launch's stated bound: both roles end within it, or the launcher kills them and reports a hang."""
+        return self.startup_s + self.wait_s
 
 
 def free_port() -> int:
@@ -71,21 +88,51 @@ def make_canary(engine: Engine, cfg: LaunchConfig) -> CanaryBinding | None:
     return install_on_engine(engine, transfer_config(cfg.backend, cfg.token_truth, cfg.layer_coverage))
 
 
-def _role_main(rank: int, cfg: LaunchConfig, port: int, out: str) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _end_with_launcher(pid: int) -> None:
+    """The role leaves (exit LAUNCHER_GONE) as soon as the launcher dies, say killed by a script's time limit.
+
+    The launcher, not the parent: a forkserver parent outlives the launcher for as long as its children live.
+    """
+    def watch() -> None:
+        try:
+            select.select([os.pidfd_open(pid)], [], [])  # readable once the process has exited
+        except (OSError, AttributeError):  # no pidfd here, or the launcher is already gone: poll
+            while _alive(pid):
+                time.sleep(0.5)
+        os._exit(LAUNCHER_GONE)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def _role_main(rank: int, cfg: LaunchConfig, port: int, out: str, launcher: int) -> None:
     """Entry point of one spawned role: run it and write its JSON report (an unexpected crash is reported too)."""
+    _end_with_launcher(launcher)
     try:
         report, clean = _run_role(rank, cfg, port)
     except Exception as err:  # report any crash as the role's typed error instead of dying silently
-        report = {"role": ("prefill", "decode")[rank],
-                  "error": {"type": type(err).__name__, "message": str(err), "traceback": traceback.format_exc()}}
+        message = str(err) if isinstance(err, TransferError) else f"{ROLES[rank]}: {str(err).splitlines()[0][:200]}"
+        report = {"role": ROLES[rank],
+                  "error": {"type": type(err).__name__, "message": message, "detail": traceback.format_exc()}}
         clean = False
     Path(out).write_text(json.dumps(report, default=str))
-    if clean:
-        dist.destroy_process_group()
-    else:  # a process group with a dead peer may block in its teardown: the report is written, leave now
-        sys.stdout.flush()
-        sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if not clean:  # a process group with a dead peer or a pending NCCL operation may block in teardown: leave now
         os._exit(0)
+    # a clean teardown is bounded too, by the wait allowance a clean run did not use (NCCL's takes about a second)
+    guard = threading.Timer(cfg.wait_s, os._exit, (TEARDOWN_HUNG,))
+    guard.daemon = True
+    guard.start()
+    dist.destroy_process_group()
+    guard.cancel()
 
 
 def _run_role(rank: int, cfg: LaunchConfig, port: int) -> tuple[dict[str, Any], bool]:
@@ -94,12 +141,14 @@ def _run_role(rank: int, cfg: LaunchConfig, port: int) -> tuple[dict[str, Any], 
     gpu = cfg.device == "cuda"
     device = torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
     if gpu:
-        # a payload wait must raise on timeout (not only stall the stream); keep the process alive to report it
-        for key, value in (("TORCH_NCCL_BLOCKING_WAIT", "1"), ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),
-                           ("NCCL_NVLS_ENABLE", "0")):
+        # payload waits poll the NCCL work (transport.py); a watchdog timeout on a payload left pending after a
+        # fatal error cleans up the communicator and never kills the role (2 = CleanUpOnly)
+        for key, value in (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"), ("NCCL_NVLS_ENABLE", "0")):
             os.environ.setdefault(key, value)
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=max(cfg.timeout_s, cfg.idle_s))
+    # joining may wait for the peer's start (spawn imports torch: seconds on a busy machine); transfer waits have
+    # their own limits (Channel), so the group's timeout only bounds the setup and the NCCL watchdog
+    timeout = timedelta(seconds=cfg.bound_s)
     try:
         if gpu:
             dist.init_process_group("nccl", rank=rank, world_size=2, timeout=timeout, device_id=device)
@@ -107,8 +156,10 @@ def _run_role(rank: int, cfg: LaunchConfig, port: int) -> tuple[dict[str, Any], 
             dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
         control = dist.new_group(backend="gloo", timeout=timeout)
     except (RuntimeError, dist.DistError) as err:  # the peer never joined (or died while joining)
-        raise PeerLostError(f"process group setup failed: {str(err).splitlines()[0][:200]}") from err
-    channel = Channel(1 - rank, control, dist.group.WORLD, cfg.timeout_s, cfg.idle_s)
+        raise PeerLostError(f"{ROLES[rank]}: join the process group: {ROLES[1 - rank]} never joined",
+                            transport_detail(err)) from err
+    channel = Channel(1 - rank, control, dist.group.WORLD, cfg.timeout_s, cfg.idle_s, ROLES[rank], ROLES[1 - rank],
+                      setup_timeout_s=cfg.startup_s)
     model = model_config(cfg.model)
     requests = cfg.workload.requests(model.vocab_size)
     econf = engine_config(page_size=cfg.page_size)
@@ -167,8 +218,11 @@ def summarize(cfg: LaunchConfig, prefill: dict[str, Any], decode: dict[str, Any]
                      "canary_pct_of_kv": round(100.0 * canary / kv, 3) if kv else None,
                      "bytes_per_row": prefill.get("bytes_per_row", {})},
         "faults_fired": decode.get("faults_fired", []),
+        "pids": {"prefill": prefill.get("pid"), "decode": decode.get("pid")},
+        "wall_s": decode.get("wall_s"), "bound_s": cfg.bound_s,
         "seconds": {"prefill": prefill.get("seconds"), "decode": decode.get("seconds")},
-        "config": {"timeout_s": cfg.timeout_s, "idle_timeout_s": cfg.idle_s, "backend": cfg.backend,
+        "config": {"timeout_s": cfg.timeout_s, "idle_timeout_s": cfg.idle_s, "startup_s": cfg.startup_s,
+                   "backend": cfg.backend,
                    "canary": cfg.canary, "token_truth": cfg.token_truth,
                    "layer_coverage": cfg.layer_coverage,
                    "workload": asdict(cfg.workload), "page_size": cfg.page_size},
@@ -176,7 +230,7 @@ def summarize(cfg: LaunchConfig, prefill: dict[str, Any], decode: dict[str, Any]
 
 
 def launch(cfg: LaunchConfig) -> dict[str, Any]:
-    """Run both roles to completion (or kill them after a generous deadline) and summarize their reports."""
+    """Run both roles to completion (or kill them at ``cfg.bound_s``) and summarize their reports."""
     if cfg.device == "cuda" and torch.cuda.device_count() < 2:
         raise CanaryInputError(f"--device cuda needs 2 GPUs (one per role), found {torch.cuda.device_count()}")
     ctx = mp.get_context(cfg.start_method)
@@ -186,19 +240,20 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     reports: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvcanary-disagg-") as tmp:
         paths = [os.path.join(tmp, f"role{r}.json") for r in (PREFILL_RANK, DECODE_RANK)]
-        procs = [ctx.Process(target=_role_main, args=(r, cfg, port, paths[r]), daemon=True)  # type: ignore[attr-defined]
+        procs = [ctx.Process(target=_role_main, args=(r, cfg, port, paths[r], os.getpid()), daemon=True)  # type: ignore[attr-defined]
                  for r in (PREFILL_RANK, DECODE_RANK)]
+        t0 = time.monotonic()
         for p in procs:
             p.start()
-        deadline = time.monotonic() + 4 * cfg.idle_s + 120
         for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+            p.join(max(0.0, t0 + cfg.bound_s - time.monotonic()))
+        wall = time.monotonic() - t0
         for rank, p in enumerate(procs):
             hung = p.is_alive()
             if hung:
                 p.kill()
                 p.join()
             rep: dict[str, Any] = json.loads(Path(paths[rank]).read_text()) if os.path.exists(paths[rank]) else {}
-            rep["exitcode"] = "hung" if hung else p.exitcode
+            rep.update(exitcode="hung" if hung else p.exitcode, pid=p.pid, wall_s=round(wall, 3))
             reports.append(rep)
     return summarize(cfg, reports[PREFILL_RANK], reports[DECODE_RANK])

@@ -9,9 +9,9 @@ from kvcanary.engine.scheduler import ReqState, Request
 
 from .canary import CanaryBinding, engine_layout
 from .engines import PrefillEngine, request_key
-from .errors import TransferError, TransferProtocolError, TransferRejectedError
+from .errors import TransferError, TransferRejectedError
 from .session import RoleReport, handshake, per_row
-from .transport import Channel, FaultName, FaultSpec, Message, MsgKind, Status
+from .transport import Channel, FaultName, FaultSpec, Message, MsgKind, Status, abort_status
 
 
 class PrefillRole:
@@ -35,12 +35,13 @@ class PrefillRole:
             handshake(self.channel, self.layout, first=True)
             self.engine.generate([Request(r.rid, r.prompt, 1, r.sampling) for r in requests])
             self.channel.send(Message(MsgKind.BYE))
+            self.channel.recv(MsgKind.BYE, step="wait for the BYE answer")
         except TransferError as err:
             self.report.set_error(err)
             for rid, entry in self.report.requests.items():
                 if entry.get("status") == "pending":
                     self.report.fail(rid, f"transfer stopped: {type(err).__name__}")
-            self.channel.abort(Status.PROTOCOL if isinstance(err, TransferProtocolError) else Status.PEER_ERROR)
+            self.channel.abort(abort_status(err))
         finally:
             if self.canary is not None:
                 self.report.violations = [v.to_dict() for v in self.canary.poll(final=True)]
@@ -56,8 +57,10 @@ class PrefillRole:
         offer = Message(MsgKind.OFFER, req_key=request_key(state.rid), prefix_len=n, first_token=state.tokens[-1],
                         full_rows=n, swa_rows=nswa, payload_bytes=declared, digest=self.layout.digest,
                         body=tuple(state.req.prompt))
-        self.channel.send(offer, corrupt_checksum=self.fault.hits(FaultName.BAD_HEADER, index))
-        reply = self.channel.recv(MsgKind.GRANT, MsgKind.REJECT, idle=True)  # decode may first make room
+        self.channel.send(offer, corrupt_checksum=self.fault.hits(FaultName.BAD_HEADER, index),
+                          step=f"send the OFFER of {state.rid}")
+        reply = self.channel.recv(MsgKind.GRANT, MsgKind.REJECT, idle=True,  # decode may first make room
+                                  step=f"wait for the GRANT of {state.rid}")
         entry = self.report.requests[state.rid]
         entry.update(index=index, first_token=state.tokens[-1], prefix_len=n, swa_rows=nswa)
         if reply.kind == MsgKind.REJECT:
@@ -66,8 +69,8 @@ class PrefillRole:
             return
         if self.fault.hits(FaultName.KILL_PREFILL, index):
             os._exit(3)  # the fault: this process dies between GRANT and payload
-        self.channel.send_payload(payload)
-        ack = self.channel.recv(MsgKind.ACK)
+        self.channel.send_payload(payload, step=f"send the payload of {state.rid}")
+        ack = self.channel.recv(MsgKind.ACK, step=f"wait for the ACK of {state.rid}")
         kv, canary = self.layout.split_bytes(n, nswa)
         self.report.transfers += 1
         self.report.payload_bytes += int(payload.numel())

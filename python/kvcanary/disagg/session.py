@@ -37,7 +37,7 @@ class RoleReport:
 
     def set_error(self, err: BaseException) -> None:
         """Record the fatal error that stopped the role."""
-        self.error = {"type": type(err).__name__, "message": str(err)}
+        self.error = {"type": type(err).__name__, "message": str(err), "detail": getattr(err, "detail", "")}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
@@ -59,9 +59,9 @@ def handshake(channel: Channel, layout: TransferLayout, first: bool) -> None:
     mine = Message(MsgKind.HELLO, digest=layout.digest)
     if first:
         channel.send(mine)
-    peer = channel.recv(MsgKind.HELLO, idle=True)
+    peer = channel.recv(MsgKind.HELLO, step="HELLO", limit=channel.setup_timeout_s)
     if not first:
         channel.send(mine)
     if peer.digest != layout.digest:
-        raise TransferProtocolError(f"transfer layouts differ: peer digest {peer.digest:#x}, "
-                                    f"mine {layout.digest:#x}")
+        raise channel.error(TransferProtocolError, "HELLO",
+                            f"transfer layouts differ: peer digest {peer.digest:#x}, mine {layout.digest:#x}")

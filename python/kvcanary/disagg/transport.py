@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import enum
+import queue
 import random
+import threading
+import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -19,8 +23,9 @@ from .errors import PeerLostError, TransferError, TransferProtocolError, Transfe
 from .layout import TransferLayout
 
 MAGIC = int.from_bytes(b"KVCDSAG", "little")
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: BYE is answered with BYE, so no receive is left posted at a clean end
 MAX_BODY_WORDS = 1 << 20
+POLL_S = 0.001  # how often a CUDA payload wait looks at the NCCL work and the control reader
 
 
 class Hdr(enum.IntEnum):
@@ -53,7 +58,7 @@ class MsgKind(enum.IntEnum):
     GRANT = 3  # decode allocated slots: send the payload
     REJECT = 4  # decode refuses this request (STATUS says why); no payload follows
     ACK = 5  # payload received and installed (STATUS = OK) or dropped (STATUS says why)
-    BYE = 6  # no more requests
+    BYE = 6  # no more requests (prefill); answered with BYE (decode)
     ABORT = 7  # the sender hit a fatal error and is shutting down (STATUS says why)
 
 
@@ -66,6 +71,7 @@ class Status(enum.IntEnum):
     BAD_META = 3  # unknown request, or metadata disagrees with the decode side's own knowledge
     PROTOCOL = 4  # malformed message (fatal)
     PEER_ERROR = 5  # the peer failed (fatal)
+    TIMEOUT = 6  # the sender timed out waiting for this side (fatal)
 
 
 @dataclass(frozen=True)
@@ -125,98 +131,233 @@ def decode(h: torch.Tensor, body: torch.Tensor) -> Message:
                    int(h[Hdr.PAYLOAD_BYTES]), int(h[Hdr.STATUS]), int(h[Hdr.DIGEST]), tuple(body.tolist()))
 
 
-def _classify(err: BaseException, what: str, timeout_s: float) -> TransferError:
+LOST_WORDS = ("connection", "reset", "closed", "broken pipe", "read error", "write error", "eof", "peer", "remote",
+              "exited", "abort")
+FOREVER = timedelta(days=365)  # the control reader's receive: a dead peer ends it at once, a timeout never should
+
+
+def transport_detail(err: BaseException) -> str:
+    """The first line of what the transport said (kept for the log, never put into a message)."""
+    return str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+
+
+def _classify(err: BaseException, peer_role: str) -> tuple[type[TransferError], str]:
+    """A transport exception -> the typed error and its cause in plain words."""
     text = str(err).lower()
     if "timed out" in text or "timeout" in text:
-        return TransferTimeoutError(f"{what}: no answer from the peer within {timeout_s:g} s")
-    if any(s in text for s in ("connection", "reset", "closed", "broken pipe", "read error", "write error", "eof",
-                               "peer", "remote", "exited", "abort")):
-        return PeerLostError(f"{what}: the peer is gone ({str(err).splitlines()[0][:200]})")
-    return TransferError(f"{what}: {str(err).splitlines()[0][:200]}")
+        return TransferTimeoutError, "the transport timed out"
+    if any(s in text for s in LOST_WORDS):
+        return PeerLostError, f"{peer_role} is gone"
+    return TransferError, "the transport failed"
+
+
+@dataclass(frozen=True)
+class PeerEnd:
+    """Why the control reader stopped: the peer said BYE or ABORT, the connection died, or a message was bad."""
+
+    kind: str  # "bye" / "abort" / "lost" / "protocol"
+    cause: str
+    detail: str = ""
+    status: int = 0
 
 
 class Channel:
     """Control messages (CPU, gloo) and payloads (the data group: gloo on CPU, NCCL on GPUs) to one peer.
 
-    Every blocking operation waits at most ``timeout_s`` (``idle_timeout_s`` for a message the peer may first have
-    to compute: the next OFFER, a GRANT) and raises PeerLostError / TransferTimeoutError / TransferProtocolError
-    instead of hanging. Sequence numbers per direction catch lost or repeated messages.
+    A reader thread keeps one control receive posted at all times, so a dead peer is seen at once (gloo fails
+    the pending receive when the connection closes) while this side computes, sends, or waits for a payload.
+    Every wait is bounded by ``timeout_s`` (``idle_timeout_s`` for a message the peer may first have to compute:
+    the next OFFER, a GRANT). Control waits time out on the inbox, never inside gloo, so a timeout leaves the
+    control group usable for the ABORT that follows. Payload waits on CUDA poll the NCCL work (NCCL has no
+    per-operation timeout and never notices a dead peer) and the control reader together; nothing is made to wait
+    on a payload that has not completed, so a lost peer cannot block a later stream sync or teardown.
+    Errors read ``"<role>: <step>: <cause>"``; transport text goes to ``detail``.
     """
 
     def __init__(self, peer: int, control_group: Any, data_group: Any, timeout_s: float,
-                 idle_timeout_s: float | None = None) -> None:
+                 idle_timeout_s: float | None = None, role: str = "prefill", peer_role: str = "decode",
+                 setup_timeout_s: float | None = None) -> None:
         idle = 6 * timeout_s if idle_timeout_s is None else idle_timeout_s
         if timeout_s <= 0 or idle < timeout_s:
             raise CanaryInputError(f"need 0 < timeout_s <= idle_timeout_s, got {timeout_s}, {idle}")
         self.peer, self.control, self.data, self.timeout_s = peer, control_group, data_group, timeout_s
-        self.idle_timeout_s = idle
+        self.idle_timeout_s, self.role, self.peer_role = idle, role, peer_role
+        self.setup_timeout_s = max(idle, setup_timeout_s or 0.0)  # HELLO: the peer may still be building its engine
         self._seq_out = 0
         self._seq_in = 0
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.peer_aborted = False
+        self._inbox: queue.Queue[Message | None] = queue.Queue()
+        self.end: PeerEnd | None = None  # set by the reader when it stops
+        self._ended = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name=f"{role}-control-reader", daemon=True)
+        self._reader.start()
 
-    def _wait(self, start: Any, what: str, idle: bool = False) -> None:
-        limit = self.idle_timeout_s if idle else self.timeout_s
-        try:
-            work = start()
-            work.wait(timeout=timedelta(seconds=limit))
-        except TransferError:
-            raise
-        except RuntimeError as err:
-            raise _classify(err, what, limit) from err
+    # ---- the control reader ----------------------------------------------------------------------------------
 
-    def send(self, msg: Message, *, corrupt_checksum: bool = False) -> None:
-        """Send a control message (the sequence number is filled in)."""
-        h, body = encode(replace(msg, seq=self._seq_out), corrupt_checksum=corrupt_checksum)
-        self._seq_out += 1
-        self._wait(lambda: dist.isend(h, self.peer, group=self.control), f"send {msg.kind.name}")
-        if body.numel():
-            self._wait(lambda: dist.isend(body, self.peer, group=self.control), f"send {msg.kind.name} body")
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                msg = self._read_one()
+            except TransferProtocolError as err:
+                return self._stop(PeerEnd("protocol", str(err)))
+            except Exception as err:  # gloo: connection closed / reset; anything else ends the channel as well
+                return self._stop(PeerEnd("lost", f"{self.peer_role} is gone", transport_detail(err)))
+            if msg.kind == MsgKind.BYE:
+                return self._stop(PeerEnd("bye", f"{self.peer_role} said BYE"), msg)
+            if msg.kind == MsgKind.ABORT:
+                return self._stop(PeerEnd("abort", f"{self.peer_role} gave up ({_status_name(msg.status)})",
+                                          status=msg.status), msg)
+            self._inbox.put(msg)
 
-    def recv(self, *kinds: MsgKind, idle: bool = False) -> Message:
-        """Receive the next control message; raise unless it is one of ``kinds`` (ABORT always raises).
+    def _recv_control(self, t: torch.Tensor) -> None:
+        work: Any = dist.irecv(t, self.peer, group=self.control)
+        work.wait(FOREVER)
 
-        ``idle``: the peer may have work to do before it answers (wait up to ``idle_timeout_s``).
-        """
+    def _read_one(self) -> Message:
         h = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-        self._wait(lambda: dist.irecv(h, self.peer, group=self.control), "receive a control message", idle)
+        self._recv_control(h)
         n = decode_header(h)
         body = torch.zeros(n, dtype=torch.int64)
         if n:
-            self._wait(lambda: dist.irecv(body, self.peer, group=self.control), "receive a message body")
+            self._recv_control(body)
         msg = decode(h, body)
         if msg.seq != self._seq_in:
             raise TransferProtocolError(f"message sequence {msg.seq}, expected {self._seq_in}")
         self._seq_in += 1
-        if msg.kind == MsgKind.ABORT:
-            self.peer_aborted = True
-            cls = TransferProtocolError if msg.status == Status.PROTOCOL else PeerLostError
-            raise cls(f"the peer aborted after a fatal error: {Status(msg.status).name}")
-        if kinds and msg.kind not in kinds:
-            raise TransferProtocolError(f"got {msg.kind.name}, expected {' or '.join(k.name for k in kinds)}")
         return msg
 
-    def send_payload(self, buf: torch.Tensor) -> None:
+    def _stop(self, end: PeerEnd, last: Message | None = None) -> None:
+        self.end = end  # before the last message is visible: recv() of an ABORT reads it
+        if last is not None:
+            self._inbox.put(last)
+        self._inbox.put(None)  # wakes a waiting recv(); every later recv() fails with ``end``
+        self._ended.set()
+
+    # ---- errors ----------------------------------------------------------------------------------------------
+
+    def error(self, cls: type[TransferError], step: str, cause: str, detail: str = "") -> TransferError:
+        """A typed error whose message names this role, the step and the cause (one line)."""
+        return cls(f"{self.role}: {step}: {cause}", detail)
+
+    def _end_error(self, step: str) -> TransferError:
+        end = self.end
+        if end is None or end.kind == "bye":
+            return self.error(TransferProtocolError, step, f"{self.peer_role} already said BYE")
+        if end.kind == "protocol" or (end.kind == "abort" and end.status == Status.PROTOCOL):
+            return self.error(TransferProtocolError, step, end.cause, end.detail)
+        return self.error(PeerLostError, step, end.cause, end.detail)
+
+    def _typed(self, err: RuntimeError, step: str) -> TransferError:
+        cls, cause = _classify(err, self.peer_role)
+        if cls is TransferTimeoutError:
+            cause = f"no progress within {self.timeout_s:g} s"
+        return self.error(cls, step, cause, transport_detail(err))
+
+    def _start(self, start: Callable[[], Any], step: str) -> Any:
+        """Post an operation (gloo refuses at once when the connection is already closed)."""
+        try:
+            return start()
+        except RuntimeError as err:
+            raise self._typed(err, step) from err
+
+    def _wait(self, start: Callable[[], Any], step: str) -> None:
+        """Post a gloo operation and wait for it (at most ``timeout_s``); a failure becomes a typed error."""
+        work = self._start(start, step)
+        try:
+            work.wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:
+            raise self._typed(err, step) from err
+
+    # ---- control messages ------------------------------------------------------------------------------------
+
+    def send(self, msg: Message, *, corrupt_checksum: bool = False, step: str | None = None) -> None:
+        """Send a control message (the sequence number is filled in); refuse when the peer is gone or gave up."""
+        step = step or f"send {msg.kind.name}"
+        if self.end is not None and self.end.kind in ("lost", "abort") and msg.kind != MsgKind.ABORT:
+            raise self._end_error(step)
+        h, body = encode(replace(msg, seq=self._seq_out), corrupt_checksum=corrupt_checksum)
+        self._seq_out += 1
+        self._wait(lambda: dist.isend(h, self.peer, group=self.control), step)
+        if body.numel():
+            self._wait(lambda: dist.isend(body, self.peer, group=self.control), step)
+
+    def recv(self, *kinds: MsgKind, idle: bool = False, step: str | None = None, limit: float | None = None) -> Message:
+        """Receive the next control message; raise unless it is one of ``kinds`` (ABORT always raises).
+
+        ``idle``: the peer may have work to do before it answers (wait up to ``idle_timeout_s``); ``limit``: another
+        wait (seconds).
+        """
+        step = step or f"receive {' or '.join(k.name for k in kinds) or 'a message'}"
+        limit = limit if limit is not None else (self.idle_timeout_s if idle else self.timeout_s)
+        try:
+            msg = self._inbox.get(timeout=limit)
+        except queue.Empty:
+            raise self.error(TransferTimeoutError, step,
+                             f"no message from {self.peer_role} within {limit:g} s") from None
+        if msg is None:
+            self._inbox.put(None)  # the reader has stopped: every later recv() fails the same way
+            raise self._end_error(step)
+        if msg.kind == MsgKind.ABORT:
+            raise self._end_error(step)
+        if kinds and msg.kind not in kinds:
+            raise self.error(TransferProtocolError, step, f"got {msg.kind.name}")
+        return msg
+
+    def stall(self, seconds: float) -> None:
+        """The stall fault: stay silent for up to ``seconds`` (returns early when the peer gives up or dies)."""
+        self._ended.wait(seconds)
+
+    # ---- payloads --------------------------------------------------------------------------------------------
+
+    def _wait_payload(self, start: Callable[[], Any], cuda: bool, step: str) -> None:
+        if not cuda:  # gloo fails the operation itself when the connection closes
+            self._wait(start, step)
+            return
+        work = self._start(start, step)
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():  # an event query; NCCL itself would wait forever for a dead peer
+            if self.end is not None and self.end.kind in ("lost", "abort", "protocol"):
+                raise self._end_error(step)
+            if time.monotonic() > deadline:
+                raise self.error(TransferTimeoutError, step, f"not complete within {self.timeout_s:g} s")
+            self._ended.wait(POLL_S)
+        try:
+            work.wait()  # complete: only orders the current stream after the transfer
+        except RuntimeError as err:  # completed with an error (e.g. the watchdog aborted the communicator)
+            raise self._typed(err, step) from err
+
+    def send_payload(self, buf: torch.Tensor, step: str = "send the payload") -> None:
         """Send a payload whose size the peer learned from the OFFER."""
-        self._wait(lambda: dist.isend(buf, self.peer, group=self.data), "send a payload")
+        self._wait_payload(lambda: dist.isend(buf, self.peer, group=self.data), buf.is_cuda, step)
         self.bytes_sent += int(buf.numel())
 
-    def recv_payload(self, nbytes: int, device: torch.device) -> torch.Tensor:
+    def recv_payload(self, nbytes: int, device: torch.device, step: str = "receive the payload") -> torch.Tensor:
         """Receive a payload of exactly ``nbytes`` bytes."""
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self._wait(lambda: dist.irecv(buf, self.peer, group=self.data), "receive a payload")
+        self._wait_payload(lambda: dist.irecv(buf, self.peer, group=self.data), buf.is_cuda, step)
         self.bytes_received += nbytes
         return buf
 
     def abort(self, status: Status) -> None:
         """Best effort: tell the peer that this side is shutting down after a fatal error."""
-        if self.peer_aborted:
+        if self.end is not None and self.end.kind in ("lost", "abort"):
             return
         try:
             self.send(Message(MsgKind.ABORT, status=int(status)))
         except TransferError:
             pass
+
+
+def _status_name(status: int) -> str:
+    return Status(status).name if status in Status._value2member_map_ else f"status {status}"
+
+
+def abort_status(err: TransferError) -> Status:
+    """The STATUS an ABORT carries after ``err``."""
+    if isinstance(err, TransferProtocolError):
+        return Status.PROTOCOL
+    return Status.TIMEOUT if isinstance(err, TransferTimeoutError) else Status.PEER_ERROR
 
 
 # ---- seeded transfer faults -----------------------------------------------------------------------------------
