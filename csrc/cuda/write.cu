@@ -167,10 +167,10 @@ struct OwnRow {
     prefetch_l1(a.input_ids + k);
     prefetch_l1(a.positions + k);
     prefetch_l1(a.out_cache_loc + k);
-    const int64_t r = plan_at(v, PlanCol::ROW), idx = plan_at(v, PlanCol::PREFIX_LEN);
-    if (write_check(a, WriteCheck::STRUCTURAL) && !plan_flag(v, PlanFlag::PADDING) && r >= 0 && r < a.table.rows &&
-        idx >= 0 && idx < a.table.cols) {
-      prefetch_table(a.table, r, idx);  // the structural check's cell of the first new token
+    const int64_t trow = plan_at(v, PlanCol::ROW), tcol = plan_at(v, PlanCol::PREFIX_LEN);
+    if (write_check(a, WriteCheck::STRUCTURAL) && !plan_flag(v, PlanFlag::PADDING) && trow >= 0 &&
+        trow < a.table.rows && tcol >= 0 && tcol < a.table.cols) {
+      prefetch_table(a.table, trow, tcol);  // the structural check's cell of the first new token
     }
     if (plan_flag(v, PlanFlag::SEED_IS_HEAD)) return;
     const Resolved r = resolve_slot(a.group, plan_at(v, PlanCol::SEED_SLOT));
