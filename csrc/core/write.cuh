@@ -19,7 +19,7 @@
 //       write_expect_new(args, row, h, chain_apply(carry.map, seed.h), carry.last_j)
 //   for every half: count(sink, tag_h, WRITE_RUNS, 1)
 //
-// Row layout of every write violation (all in group space):
+// Row layout of every write violation (group space except STRUCTURAL rows; EXPECTED_SLOT = NO_SLOT unless STRUCTURAL):
 //   TAG = tag_h, REASONS, SLOT = group slot (the raw bad value for slot input errors), POSITION = PREFIX_LEN + j
 //   (what the plan expects), STORED_POSITION = the written position p, BATCH_INDEX, REQ_ROW = ROW, STORED_TOKEN =
 //   the written token t, EXPECTED_TOKEN = pool token or SKIP_TOKEN, STORED_HASH = prev_hash written (0 when not

@@ -109,7 +109,7 @@ def _bit(mask: torch.Tensor, reason: FailReason) -> torch.Tensor:
 
 
 def _structural_rows(group: GroupView, table: torch.Tensor, segs: torch.Tensor, j: torch.Tensor, lc: torch.Tensor,
-                     t: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, dict[ViolationCol, torch.Tensor]]:
+                     t: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, dict[ViolationCol, torch.Tensor | int]]:
     """Entries failing the structural check (csrc/core/write.cuh write_structural) and their row columns.
 
     ``segs`` are the entries' plan rows [E, NUM_PLAN_COLS], ``j`` their index in the segment, ``lc`` / ``t`` / ``p``
