@@ -27,12 +27,12 @@ class Decode:
     """A padded batch: request rows, then padding rows (row = padding_row) mixed in; some writes misplaced."""
 
     table: torch.Tensor  # [bs + 1, width]; the last row is the padding row
-    rpi: torch.Tensor
-    pre: torch.Tensor
-    ext: torch.Tensor
-    ids: torch.Tensor
-    pos: torch.Tensor
-    loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
     padding_row: int
     misplaced: int  # writes that must be reported STRUCTURAL
 
@@ -83,16 +83,16 @@ def num_slots(d: Decode) -> int:
 def run(d: Decode, backend: str, dev: str, records: torch.Tensor, step: int = 3) -> dict[str, torch.Tensor | Sink]:
     """plan (padding row) -> HEAD verify -> HEAD write with every check, on a copy of ``records``."""
     group = GroupView(records.clone().to(dev), reserved_slots=RESERVED)
-    plan = torch.full((d.rpi.shape[0], NUM_PLAN_COLS), -9, dtype=torch.int64, device=dev)
+    plan = torch.full((d.req_pool_indices.shape[0], NUM_PLAN_COLS), -9, dtype=torch.int64, device=dev)
     status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=dev)
     sink = Sink.allocate(RING, dev)
     sink.step.fill_(step)
     table = d.table.to(dev)
-    plan_forward(plan, status, d.rpi.to(dev), d.pre.to(dev), d.ext.to(dev), table, int(d.ids.shape[0]),
-                 padding_row=d.padding_row, backend=backend)
+    plan_forward(plan, status, d.req_pool_indices.to(dev), d.prefix_lens.to(dev), d.extend_lens.to(dev), table,
+                 int(d.input_ids.shape[0]), padding_row=d.padding_row, backend=backend)
     verify(group, Stage.HEAD, plan, status, table, sink, backend=backend)
-    write(group, Stage.HEAD, plan, status, table, d.ids.to(dev), d.pos.to(dev), d.loc.to(dev), sink,
-          checks=ALL_CHECKS, backend=backend)
+    write(group, Stage.HEAD, plan, status, table, d.input_ids.to(dev), d.positions.to(dev), d.out_cache_loc.to(dev),
+          sink, checks=ALL_CHECKS, backend=backend)
     return {"plan": plan, "status": status, "records": group.records, "sink": sink}
 
 
@@ -142,9 +142,9 @@ def test_padded_batches_match_reference_and_cpu(k: int, seed: int) -> None:
 def test_graph_capture_and_replay_reports_misplaced_writes() -> None:
     bs, n_pad, width = 24, 8, 128
     first = make_decode(0, bs, n_pad, width, bad=0.0)
-    T = int(first.ids.shape[0])
-    static = {name: getattr(first, name).clone().to(CUDA) for name in ("table", "rpi", "pre", "ext", "ids", "pos",
-                                                                      "loc")}
+    T = int(first.input_ids.shape[0])
+    names = ("table", "req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc")
+    static = {name: getattr(first, name).clone().to(CUDA) for name in names}
     zeros = torch.zeros(num_slots(first), 2, 4, dtype=torch.int64)
     group = GroupView(zeros.to(CUDA), reserved_slots=RESERVED)
     plan = torch.zeros(bs + n_pad, NUM_PLAN_COLS, dtype=torch.int64, device=CUDA)
@@ -152,11 +152,11 @@ def test_graph_capture_and_replay_reports_misplaced_writes() -> None:
     sink = Sink.allocate(RING, CUDA)
 
     def bracket() -> None:
-        plan_forward(plan, status, static["rpi"], static["pre"], static["ext"], static["table"], T, padding_row=bs,
-                     backend="cuda")
+        plan_forward(plan, status, static["req_pool_indices"], static["prefix_lens"], static["extend_lens"],
+                     static["table"], T, padding_row=bs, backend="cuda")
         verify(group, Stage.HEAD, plan, status, static["table"], sink, backend="cuda")
-        write(group, Stage.HEAD, plan, status, static["table"], static["ids"], static["pos"], static["loc"], sink,
-              checks=ALL_CHECKS, backend="cuda")
+        write(group, Stage.HEAD, plan, status, static["table"], static["input_ids"], static["positions"],
+              static["out_cache_loc"], sink, checks=ALL_CHECKS, backend="cuda")
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -168,7 +168,7 @@ def test_graph_capture_and_replay_reports_misplaced_writes() -> None:
         bracket()
     for seed in range(1, 5):
         d = make_decode(seed, bs, n_pad, width, bad=0.15)
-        assert int(d.ids.shape[0]) == T  # a graph replays one shape (decode: one token per row)
+        assert int(d.input_ids.shape[0]) == T  # a graph replays one shape (decode: one token per row)
         for name, tnsr in static.items():
             tnsr.copy_(getattr(d, name).to(CUDA))
         group.records.zero_()
