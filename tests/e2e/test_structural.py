@@ -14,7 +14,7 @@ from kvcanary.config import CanaryConfig, CanaryMode
 from kvcanary.engine import Engine, FaultConfig, ForwardBatch, PoolKind
 from kvcanary.engine.canary import EngineCanary
 from kvcanary.report import CanaryViolationError, Violation
-from kvcanary_schema import NO_SLOT, FailReason, Stage
+from kvcanary_schema import NO_SLOT, FailReason, LaunchTag, Stage
 
 
 class _FireLog:
@@ -70,8 +70,11 @@ def test_out_cache_loc_disagreeing_with_req_to_token_names_both_slots(backend: s
     assert fired.first > 0 and first.forward == fired.first
     rows = [v for v in first.report.violations if v.reasons & FailReason.STRUCTURAL]
     assert rows
+    # once per forward: the HEAD write of the first (FULL) group, K tag only, never again for SWA, V or TAIL
+    assert all(v.tag == LaunchTag.HEAD_K_FULL for v in _structural(canary))
+    assert len({(v.step, v.req_row, v.position) for v in rows}) == len(rows)
     for v in rows:
-        assert v.tag.stage == Stage.HEAD and v.request_id is not None
+        assert v.request_id is not None
         assert v.slot != v.expected_slot and v.expected_slot >= engine.config.reserved_slots
         assert v.request_position == v.position
     # the first forward is the first prefill: request r0 at row ..., positions 0.. of its first chunk
