@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import nox
@@ -72,6 +75,38 @@ def build(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The CPU test suite (GPU tests are skipped without CUDA)."""
     _py(session, "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session
+def tests_wheel(session: nox.Session) -> None:
+    """Build the sdist, then the wheel from it (prebuilt modules; CUDA where nvcc is found), install it into a fresh
+    venv outside the checkout and run tests/wheel there with no compiler on PATH (-- --keep: keep the work folder)."""
+    _ensure_venv(session)
+    work = Path(tempfile.mkdtemp(prefix="kvcanary-wheel-"))
+    dist, venv, tests_dir = work / "dist", work / "venv", work / "tests"
+    session.run(str(PY), "-m", "build", "--sdist", "--outdir", str(dist), str(ROOT), external=True)
+    sdist = next(dist.glob("kvcanary-*.tar.gz"))
+    session.run(str(PY), "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(dist), str(sdist), external=True)
+    wheel = next(dist.glob("kvcanary-*.whl"))
+    session.run(sys.executable, "-m", "venv", str(venv), external=True)
+    pip = (str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check")
+    session.run(*pip, TORCH, external=True)  # pinned and first, as for the project venv
+    session.run(*pip, str(wheel), "pytest", external=True)
+    tests_dir.mkdir()
+    shutil.copy(ROOT / "tests" / "wheel" / "test_installed_wheel.py", tests_dir)
+    nvcc = shutil.which("nvcc")
+    cuobjdump = shutil.which("cuobjdump") or (nvcc and str(Path(nvcc).with_name("cuobjdump")))
+    env = {"PATH": str(venv / "bin"), "HOME": str(work / "home"), "LANG": os.environ.get("LANG", "C.UTF-8"),
+           "KVCANARY_WHEEL_TEST": "1", "KVCANARY_REPO": str(ROOT), "KVCANARY_WHEEL": str(wheel),
+           "KVCANARY_CACHE_DIR": str(work / "jit-cache"), "KVCANARY_WHEEL_NVCC": "1" if nvcc else "0",
+           "KVCANARY_CUOBJDUMP": cuobjdump if cuobjdump and Path(cuobjdump).is_file() else ""}
+    session.chdir(tests_dir)
+    session.run(str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                "test_installed_wheel.py", external=True, env=env, include_outer_env=False)
+    if "--keep" not in session.posargs:
+        shutil.rmtree(work)
+    else:
+        session.log(f"kept {work}")
 
 
 @nox.session(default=False)

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from kvcanary.manager import CanaryManager, install
     from kvcanary.report import CanaryViolationError
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place of the version (pyproject reads it)
 __all__ = ["SCHEMA_VERSION", "CanaryConfig", "CanaryManager", "CanaryViolationError", "__version__", "install"]
 
 # Imported on first use: the runtime pulls in torch and tvm-ffi, which `kvcanary schema` does not need.

@@ -160,10 +160,12 @@ class CanaryConfig:
             raise CanaryInputError("CanaryConfig.perturb needs mode log or raise (mode none installs nothing)")
 
     def resolved_backend(self, device_type: str) -> str:
-        """The backend for data on ``device_type``: ``auto`` picks cuda on GPUs and torch elsewhere."""
+        """The backend for data on ``device_type``: ``auto`` is the fastest that loads (_native.auto_backend)."""
         if self.backend != "auto":
             return self.backend
-        return "cuda" if device_type == "cuda" else "torch"
+        from kvcanary import _native
+
+        return _native.auto_backend(device_type)
 
     def layer_stride_for(self, num_sources: int) -> int:
         """Layer stride handed to the fingerprint ops (source j is hashed at p iff (j + p) % stride == 0)."""

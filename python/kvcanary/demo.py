@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import torch
 from kvcanary_schema import CounterCol, LaunchTag
@@ -52,20 +52,12 @@ class Progress:
 
 
 def _resolve_backend(backend: str, device: str) -> str:
-    """``auto``: cuda on GPUs; on CPU the C++ backend when it builds, else the torch reference. A native backend is
-    loaded (JIT-built on first use) here, before anything is timed."""
+    """The backend to run; a native one is loaded (JIT-built on first use) here, before anything is timed."""
     from kvcanary import _native
     if backend == "auto":
-        if device.startswith("cuda"):
-            backend = "cuda"
-        else:
-            try:
-                _native.module("cpu")
-                return "cpu"
-            except KVCanaryError:
-                return "torch"
+        return _native.auto_backend(torch.device(device).type)
     if backend in ("cpu", "cuda"):
-        _native.module(backend)
+        _native.module(cast(_native.Kind, backend))
     return backend
 
 

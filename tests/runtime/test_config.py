@@ -12,7 +12,8 @@ def test_defaults() -> None:
     c = CanaryConfig()
     assert c.mode == CanaryMode.LOG and c.token_truth == TokenTruth.CHAIN and c.coverage == CoveragePolicy.FULL
     assert c.fingerprint == FingerprintMode.NONE and c.ring_capacity == DEFAULT_RING_CAPACITY
-    assert not c.perturb.enabled and c.resolved_backend("cuda") == "cuda" and c.resolved_backend("cpu") == "torch"
+    assert not c.perturb.enabled and c.backend == "auto"
+    assert CanaryConfig(backend="torch").resolved_backend("cpu") == "torch"
 
 
 def test_strings_are_coerced() -> None:
