@@ -25,8 +25,10 @@ ALLOWED = {
     PerturbMode.REAL_KV_UNUSED_CACHED: FailReason.VERIFY_FINGERPRINT,
     PerturbMode.NEXT_TOKEN_SWAP: FailReason.WRITE_TOKEN,
     PerturbMode.SLOT_SWAP: FailReason.VERIFY_TOKEN | FailReason.WRITE_TOKEN,
+    # the stolen slot may also be another request's write seed in the same call: which record the seed read sees
+    # is backend-dependent (docs/ops-contract.md §5), so a write-position/-token mismatch may accompany the verify
     PerturbMode.USE_AFTER_FREE: FailReason.VERIFY_CHAIN | FailReason.VERIFY_POSITION | FailReason.VERIFY_FINGERPRINT
-    | FailReason.VERIFY_TOKEN | FailReason.WRITE_TOKEN,
+    | FailReason.VERIFY_TOKEN | FailReason.WRITE_TOKEN | FailReason.WRITE_POSITION,
     PerturbMode.RECORD_FLIP: FailReason.VERIFY_CHAIN | FailReason.WRITE_TOKEN,
 }
 
