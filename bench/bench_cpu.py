@@ -46,6 +46,7 @@ U64 = H.U64
 OK, INPUT_ERROR, EVICTED, RESERVED = 0, 1, 2, 3
 # Plain ints of the flags: IntFlag arithmetic would dominate the loops' time and flatter the speed-ups.
 CHK_CHAIN_POSITION, CHK_INPUTS = int(WriteCheck.CHAIN_POSITION), int(WriteCheck.INPUTS)
+CHK_STRUCTURAL, F_PADDING, R_STRUCTURAL = int(WriteCheck.STRUCTURAL), int(PlanFlag.PADDING), int(FailReason.STRUCTURAL)
 F_SEED_IS_HEAD, F_FIRST_IS_HEAD = int(PlanFlag.SEED_IS_HEAD), int(PlanFlag.FIRST_IS_HEAD)
 F_EXPECT_NEW, F_EXPECT_PREFIX = int(PlanFlag.EXPECT_NEW), int(PlanFlag.EXPECT_PREFIX)
 R_INPUT_ERROR, R_WRITE_POSITION, R_WRITE_TOKEN = int(FailReason.INPUT_ERROR), int(FailReason.WRITE_POSITION), \
@@ -110,6 +111,7 @@ def _row(tag: int, reasons: int, seg: list[int], **cols: int) -> list[int]:
     r[ViolationCol.TAG], r[ViolationCol.REASONS] = tag, reasons
     r[ViolationCol.BATCH_INDEX], r[ViolationCol.REQ_ROW] = seg[PlanCol.BATCH_INDEX], seg[PlanCol.ROW]
     r[ViolationCol.EXPECTED_TOKEN] = SKIP_TOKEN
+    r[ViolationCol.EXPECTED_SLOT] = NO_SLOT
     for name, v in cols.items():
         r[ViolationCol[name]] = v
     return r
@@ -143,10 +145,34 @@ def _pool_token(pool: Any, row: int, p: int) -> int:
     return int(tokens[row][q])
 
 
+def _structural_loop(g: _Group, tag: int, seg: list[int], tbl: list[list[int]], ids: list[int], pos: list[int],
+                     loc: list[int]) -> list[list[int]]:
+    """STRUCTURAL rows of one segment (docs/ops-contract.md 5), one entry at a time."""
+    out = []
+    wb, pre, row = seg[PlanCol.WRITE_BEGIN], seg[PlanCol.PREFIX_LEN], seg[PlanCol.ROW]
+    for j in range(seg[PlanCol.WRITE_LEN]):
+        lc, idx = loc[wb + j], pre + j
+        if lc < 0:
+            continue
+        if seg[PlanCol.FLAGS] & F_PADDING:
+            if g.resolve(lc)[0] in (RESERVED, EVICTED):
+                continue
+            expected = NO_SLOT
+        else:
+            if not (0 <= row < len(tbl) and 0 <= idx < len(tbl[row])) or tbl[row][idx] == lc:
+                continue
+            expected = tbl[row][idx]
+        out.append(_row(tag, R_STRUCTURAL, seg, SLOT=lc, EXPECTED_SLOT=expected, POSITION=idx,
+                        STORED_POSITION=pos[wb + j], STORED_TOKEN=ids[wb + j]))
+    return out
+
+
 def write_loop(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, input_ids: torch.Tensor,
                positions: torch.Tensor, out_cache_loc: torch.Tensor, sink: Sink, *, checks: int = 0,
-               token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None) -> None:
-    """docs/ops-contract.md 5, one entry at a time with Python ints (same effects as ``ops.write.write``)."""
+               token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
+               table: torch.Tensor | None = None) -> None:
+    """docs/ops-contract.md 5, one entry at a time with Python ints (same effects as ``ops.write.write``;
+    ``table`` is needed with WriteCheck.STRUCTURAL)."""
     recs = group.records.tolist()
     g = _Group(group)
     tags = group.tags(stage)
@@ -155,6 +181,7 @@ def write_loop(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch
     fpf = None if fingerprint is None else _Fp(fingerprint)
     pool = None if token_pool is None else (token_pool.tokens.tolist(), token_pool.lens.tolist(), token_pool.offset)
     ids, pos, loc = input_ids.tolist(), positions.tolist(), out_cache_loc.tolist()
+    tbl = table.tolist() if table is not None and checks & CHK_STRUCTURAL else None
     T = len(ids)
     for tag in tags:
         counters[tag][CounterCol.WRITE_RUNS] += 1
@@ -168,6 +195,8 @@ def write_loop(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch
                 rows.append(_row(tag, R_INPUT_ERROR, seg, SLOT=NO_SLOT, POSITION=pre))
                 counters[tag][CounterCol.INPUT_ERRORS] += 1
             continue
+        if tbl is not None:
+            rows += _structural_loop(g, tags[0], seg, tbl, ids, pos, loc)
         for h, tag in enumerate(tags):
             if seg[PlanCol.FLAGS] & F_SEED_IS_HEAD:
                 hv, prev_pos = H.CHAIN_H0, -1
@@ -182,7 +211,7 @@ def write_loop(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch
             last: tuple[int, int, int, int] | None = None
             for j in range(wl):
                 t, p, lc = ids[wb + j], pos[wb + j], loc[wb + j]
-                if lc < 0:
+                if lc < 0 or seg[PlanCol.FLAGS] & F_PADDING:  # a PADDING segment is never written
                     continue
                 kind, s = g.resolve(lc)
                 if kind == EVICTED:

@@ -8,7 +8,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +149,7 @@ class Scenario:
     layout: str = "perm"  # perm / contig
     sglang_us: float | None = None
     target: str = "<= max(10 us, 1.25 x floor)"
+    structural: bool = True  # WriteCheck.STRUCTURAL on the HEAD write, as the runtime's default
 
 
 @dataclass
@@ -281,7 +282,8 @@ class State:
                      window=self.sc.window, expect_prefix=self.expect_prefix, expect_new=self.expect_new,
                      backend=backend)
         verify(h, Stage.HEAD, self.plan, self.status, self.table, s, backend=backend)
-        write(h, Stage.HEAD, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s, checks=CHECKS,
+        head_checks = CHECKS | (int(WriteCheck.STRUCTURAL) if self.sc.structural else 0)
+        write(h, Stage.HEAD, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s, checks=head_checks,
               backend=backend)
         verify(t, Stage.TAIL, self.plan, self.status, self.table, s, fingerprint=self.fp, backend=backend)
         write(t, Stage.TAIL, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s, checks=CHECKS,
@@ -504,6 +506,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--quick", action="store_true", help="only the scenarios with absolute targets")
     ap.add_argument("--samples", type=int, default=30)
+    ap.add_argument("--no-structural", action="store_true", help="HEAD write without the structural check")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -515,6 +518,7 @@ def main() -> None:
     flush = L2Flusher()
     results = []
     for sc in scenarios(args.quick):
+        sc = replace(sc, structural=not args.no_structural)
         r = run_scenario(sc, fl, flush, args.samples, torch_ref=sc.layout == "perm")
         print(f"{sc.name:48s} warm {r.warm_us:8.1f} cold {r.cold_us:8.1f} floor {r.floor_us:8.1f} "
               f"nodes {r.nodes} torch {fmt(r.torch_ref_us, 0)} host {fmt(r.eager_host_us)} clean {r.clean}",

@@ -34,6 +34,15 @@ def oracle_forward(rpi: list[int], pre: list[int], ext: list[int], table: list[l
         if e >= 0:
             tok += e
         if padding_row >= 0 and row == padding_row:
+            if row < R and 0 < e and wb + e <= num_tokens:  # a PADDING segment: its tokens' slots get checked
+                r = [0] * NUM_PLAN_COLS
+                r[PlanCol.BATCH_INDEX], r[PlanCol.ROW], r[PlanCol.PREFIX_LEN] = i, row, p
+                r[PlanCol.ENTRY_OFFSET] = status[PlanStatusCol.VERIFY_ENTRIES]
+                r[PlanCol.FIRST_PREV_SLOT], r[PlanCol.SEED_SLOT] = NO_SLOT, NO_SLOT
+                r[PlanCol.WRITE_BEGIN], r[PlanCol.WRITE_LEN] = wb, e
+                r[PlanCol.FLAGS] = PlanFlag.FIRST_IS_HEAD | PlanFlag.SEED_IS_HEAD | PlanFlag.PADDING
+                segs.append(r)
+                status[PlanStatusCol.WRITE_ENTRIES] += e
             continue
         if not (0 <= row < R and 0 <= p and 0 <= e and p + e <= L):
             status[PlanStatusCol.INPUT_ERRORS] += 1
@@ -117,12 +126,14 @@ def test_forward_hand_case(backend: str) -> None:
     # req 0: row 2, prefix 4, 1 new; req 1: padding row 0; req 2: row 1, prefix 0, 3 new; req 3: bad row 7.
     segs, status = run_forward(backend, 8, [2, 0, 1, 7], [4, 5, 0, 1], [1, 1, 3, 1], table, 6, window=3,
                                padding_row=0, expect_new=[11, 12, 13, 14])
-    assert status == [2, 3, 4, 1, 0]
+    assert status == [3, 3, 5, 1, 0]
     fph, sh, en = int(PlanFlag.FIRST_IS_HEAD), int(PlanFlag.SEED_IS_HEAD), int(PlanFlag.EXPECT_NEW)
     # req 0: vb = 4 - 3 = 1, first prev = table[2, 0] = 112, seed = table[2, 3] = 115, write begin 0.
     assert segs[0] == [0, 2, 1, 4, 0, 0, 112, 0, 1, 115, 4, 0, 11, en]
-    # req 2: tokens before it: 1 (req 0) + 1 (padding row's ext still advances the offset) = 2.
-    assert segs[1] == [2, 1, 0, 0, 0, 3, NO_SLOT, 2, 3, NO_SLOT, 0, 0, 13, fph | sh | en]
+    # req 1 (padding row): a PADDING segment of its one token, no verify range, no seed, no expectations.
+    assert segs[1] == [1, 0, 0, 0, 0, 3, NO_SLOT, 1, 1, NO_SLOT, 5, 0, 0, fph | sh | int(PlanFlag.PADDING)]
+    # req 2: tokens before it: 1 (req 0) + 1 (padding row) = 2.
+    assert segs[2] == [2, 1, 0, 0, 0, 3, NO_SLOT, 2, 3, NO_SLOT, 0, 0, 13, fph | sh | en]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -249,7 +260,8 @@ def test_forward_status_overwritten_and_entry_offsets_are_a_prefix_sum() -> None
             assert status[PlanStatusCol.VERIFY_ENTRIES] == off
             bad = status[PlanStatusCol.INPUT_ERRORS]
             pads = sum(1 for r in case["rpi"] if kw.get("padding_row", -1) >= 0 and r == kw["padding_row"])
-            assert status[PlanStatusCol.NUM_SEGMENTS] + bad + pads == len(case["rpi"])
+            pad_segs = sum(1 for s in segs if s[PlanCol.FLAGS] & PlanFlag.PADDING)
+            assert status[PlanStatusCol.NUM_SEGMENTS] - pad_segs + bad + pads == len(case["rpi"])
 
 
 # ---- bad arguments ---------------------------------------------------------------------------------------------

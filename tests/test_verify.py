@@ -89,7 +89,7 @@ class Oracle:
 
     def row(self, step: int, **cols: int) -> None:
         r = [0] * NUM_VIOLATION_COLS
-        r[VC.EXPECTED_TOKEN] = SKIP_TOKEN
+        r[VC.EXPECTED_TOKEN], r[VC.EXPECTED_SLOT] = SKIP_TOKEN, NO_SLOT
         for k, v in cols.items():
             r[getattr(VC, k)] = v
         r[VC.STEP] = step
@@ -496,6 +496,7 @@ def _chain_case(backend: str, *, pool: bool = False, expect: int | None = None,
 def _row(**cols: int) -> list[int]:
     r = [0] * NUM_VIOLATION_COLS
     r[VC.EXPECTED_TOKEN], r[VC.STEP], r[VC.BATCH_INDEX], r[VC.REQ_ROW] = SKIP_TOKEN, 3, 0, 1
+    r[VC.EXPECTED_SLOT] = NO_SLOT
     for k, v in cols.items():
         r[getattr(VC, k)] = v
     return r
@@ -599,7 +600,7 @@ def test_swa_evicted_and_bad_map_value(backend: str) -> None:
     verify(g, Stage.TAIL, plan, status, table, sink, backend=backend)
     tag = int(LaunchTag.TAIL_K_SWA)
     assert sink.rows[:int(sink.count)].tolist() == [
-        [tag, int(FailReason.INPUT_ERROR), 9, 3, 0, 0, 0, 0, SKIP_TOKEN, 0, 0, 0, 0, 0]]
+        [tag, int(FailReason.INPUT_ERROR), 9, 3, 0, 0, 0, 0, SKIP_TOKEN, 0, 0, 0, 0, 0, NO_SLOT]]
     assert sink.counters[tag].tolist() == [1, 0, 2, 0, 1, 1, 1]
 
 

@@ -292,7 +292,10 @@ def make_case(seed: int, *, halves: int = 2, swa: bool = False, fp: bool = False
     perm = list(range(reserved, table_space))
     rng.shuffle(perm)
     table_l = [perm[r * width:(r + 1) * width] for r in range(rows_n)]
-    table = torch.tensor(table_l, dtype=torch.int32 if i32 else torch.int64)
+    spare = perm[rows_n * width:]  # slots no request owns: a wrong out_cache_loc that collides with no write
+    padding_row = rows_n if rng.random() < 0.5 else -1  # an extra table row whose cells are never read
+    table = torch.tensor(table_l + ([[NO_SLOT] * width] if padding_row >= 0 else []),
+                         dtype=torch.int32 if i32 else torch.int64)
     rec = torch.randint(-2**40, 2**40, (num_slots, halves, 4), generator=torch.Generator().manual_seed(seed))
     group = GroupView(rec, group=Group.SWA if swa else Group.FULL, reserved_slots=reserved, swa_map=swa_map)
 
@@ -319,7 +322,18 @@ def make_case(seed: int, *, halves: int = 2, swa: bool = False, fp: bool = False
                 rec[g, rng.randrange(halves), RecordField.TOKEN] = -5
     ids, pos, loc = [], [], []
     used_reserved: set[int] = set()
-    for r, p, e in zip(req_rows, pre, ext, strict=True):
+    batch = list(zip(req_rows, pre, ext, strict=True))
+    n_pad = rng.randrange(0, 3) if padding_row >= 0 else 0
+    for _ in range(n_pad):  # padding rows (decode-like, at random batch positions): reserved, live or bad slots
+        batch.insert(rng.randrange(len(batch) + 1), (padding_row, rng.randrange(-1, 3), rng.randrange(-1, 3)))
+    for r, p, e in batch:
+        if r == padding_row:
+            for _ in range(max(e, 0)):
+                ids.append(rng.randrange(50_000))
+                pos.append(rng.randrange(-1, 5))
+                loc.append(rng.choice([-1, rng.randrange(0, max(reserved, 1)), rng.randrange(table_space),
+                                       table_space + 2]))
+            continue
         for j in range(e):
             t, q, lc = truth[r][p + j], p + j, table_l[r][p + j]
             x = rng.random()
@@ -334,6 +348,8 @@ def make_case(seed: int, *, halves: int = 2, swa: bool = False, fp: bool = False
             elif x < bad * 0.8 and not swa and reserved > len(used_reserved):
                 lc = min(set(range(reserved)) - used_reserved)
                 used_reserved.add(lc)
+            elif x < bad and spare:  # out_cache_loc disagrees with req_to_token: a slot no request owns
+                lc = spare.pop()
             ids.append(t)
             pos.append(q)
             loc.append(lc)
@@ -345,9 +361,11 @@ def make_case(seed: int, *, halves: int = 2, swa: bool = False, fp: bool = False
     want = [H.to_i64(chain_ints(truth[r][:p + e])[-1]) if rng.random() > bad else rng.getrandbits(63)
             for r, p, e in zip(req_rows, pre, ext, strict=True)]
     del hasher
-    plan, status = new_plan(bs + 3)
-    plan_forward(plan, status, torch.tensor(req_rows), torch.tensor(pre), torch.tensor(ext), table, len(ids),
-                 window=rng.choice([0, 3]) if swa else 0, expect_new=torch.tensor(want))
+    want_all = [want[req_rows.index(r)] if r != padding_row else 0 for r, _, _ in batch]
+    plan, status = new_plan(len(batch) + 3)
+    plan_forward(plan, status, torch.tensor([b[0] for b in batch]), torch.tensor([b[1] for b in batch]),
+                 torch.tensor([b[2] for b in batch]), table, len(ids), window=rng.choice([0, 3]) if swa else 0,
+                 padding_row=padding_row, expect_new=torch.tensor(want_all))
     n = int(status[PlanStatusCol.NUM_SEGMENTS])
     if rng.random() < bad * 3:  # extra bogus rows: a range error and an unresolvable seed (neither writes)
         plan[n] = plan[0]
@@ -387,7 +405,7 @@ def run_case(case: Case, backend: str, cap: int = 4096) -> tuple[torch.Tensor, S
     sink.count[0] = 2  # rows already in the window: appended after them
     if backend == "loop":
         write_loop(g, case.stage, case.plan, case.status, case.ids, case.pos, case.loc, sink, checks=case.checks,
-                   token_pool=case.pool, fingerprint=case.fp)
+                   token_pool=case.pool, fingerprint=case.fp, table=case.table)
     else:
         write(g, case.stage, case.plan, case.status, case.table, case.ids, case.pos, case.loc, sink,
               checks=case.checks, token_pool=case.pool, fingerprint=case.fp, backend=backend)
@@ -418,13 +436,13 @@ def assert_same(case: Case) -> None:
 def test_fuzz_torch_cpu_loop_agree(seed: int) -> None:
     rng = random.Random(1000 + seed)
     assert_same(make_case(seed, halves=rng.choice([1, 2]), swa=rng.random() < 0.4, fp=rng.random() < 0.3,
-                          checks=rng.choice([0, 1, 2, 3]), pool=rng.random() < 0.6, i32=rng.random() < 0.5,
+                          checks=rng.choice(range(8)), pool=rng.random() < 0.6, i32=rng.random() < 0.5,
                           bad=rng.choice([0.0, 0.1, 0.3])))
 
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31), halves=st.sampled_from([1, 2]), swa=st.booleans(), fp=st.booleans(),
-       checks=st.integers(0, 3), pool=st.booleans(), i32=st.booleans(), bad=st.sampled_from([0.0, 0.05, 0.2, 0.5]))
+       checks=st.integers(0, 7), pool=st.booleans(), i32=st.booleans(), bad=st.sampled_from([0.0, 0.05, 0.2, 0.5]))
 def test_property_torch_cpu_loop_agree(seed: int, halves: int, swa: bool, fp: bool, checks: int, pool: bool,
                                        i32: bool, bad: float) -> None:
     assert_same(make_case(seed, halves=halves, swa=swa, fp=fp, checks=checks, pool=pool, i32=i32, bad=bad))
@@ -439,6 +457,8 @@ def test_clean_batches_raise_nothing_and_match_the_hasher(seed: int) -> None:
         # Every written record's prev_hash is the true chain value at its position, fingerprint = fresh one.
         segs = case.plan[: int(case.status[PlanStatusCol.NUM_SEGMENTS])]
         for seg in segs.tolist():
+            if seg[PlanCol.FLAGS] & PlanFlag.PADDING:
+                continue  # padding rows write no records
             toks = case.ids[seg[PlanCol.WRITE_BEGIN]: seg[PlanCol.WRITE_BEGIN] + seg[PlanCol.WRITE_LEN]].tolist()
             slots = case.loc[seg[PlanCol.WRITE_BEGIN]: seg[PlanCol.WRITE_BEGIN] + seg[PlanCol.WRITE_LEN]]
             pre = seg[PlanCol.PREFIX_LEN]
@@ -527,7 +547,7 @@ def _args() -> dict[str, object]:
     ({"table": torch.zeros(8, dtype=torch.int64)}, "table"),
     ({"table": torch.zeros(1, 8, dtype=torch.float32)}, "table"),
     ({"sink": "sink"}, "sink"),
-    ({"checks": 4}, "checks"),
+    ({"checks": 8}, "checks"),
     ({"checks": -1}, "checks"),
     ({"token_pool": "pool"}, "token_pool"),
     ({"backend": "tpu"}, "backend"),

@@ -5,7 +5,9 @@
 
 namespace kvcanary {
 
-enum class PlanOutcome : int32_t { kSegment = 0, kPadding = 1, kInputError = 2, kOverflow = 3 };
+// kPadding: a padding row that contributes nothing; kPaddingSegment: a padding row whose tokens get a PADDING
+// segment (their slots are structurally checked by the write, nothing is verified or written).
+enum class PlanOutcome : int32_t { kSegment = 0, kPadding = 1, kInputError = 2, kOverflow = 3, kPaddingSegment = 4 };
 
 // A request's contribution to the running token offset: max(ext, 0) capped at num_tokens + 1. The contract's
 // offset is an unbounded sum; capping each term and the running sum at num_tokens + 1 changes no outcome (any
@@ -18,7 +20,10 @@ KVC_HD int64_t plan_token_cap(int64_t tok, int64_t num_tokens) { return tok > nu
 // What request i becomes, given its write begin wb (the capped running offset before it).
 KVC_HD PlanOutcome plan_forward_classify(int64_t row, int64_t pre, int64_t ext, int64_t wb, int64_t num_rows,
                                          int64_t row_len, int64_t num_tokens, int64_t padding_row) {
-  if (padding_row >= 0 && row == padding_row) return PlanOutcome::kPadding;
+  if (padding_row >= 0 && row == padding_row) {
+    const bool tokens_ok = row < num_rows && ext > 0 && ext <= num_tokens - wb;
+    return tokens_ok ? PlanOutcome::kPaddingSegment : PlanOutcome::kPadding;
+  }
   if (row < 0 || row >= num_rows || pre < 0 || ext < 0 || pre > row_len || ext > row_len - pre)
     return PlanOutcome::kInputError;
   if (ext > num_tokens - wb) return PlanOutcome::kOverflow;
@@ -54,6 +59,25 @@ KVC_HD void plan_forward_fill(int64_t* out, int64_t i, int64_t row, int64_t pre,
   out[col(PlanCol::EXPECT_PREFIX)] = has_expect_prefix ? expect_prefix : 0;
   out[col(PlanCol::EXPECT_NEW)] = has_expect_new ? expect_new : 0;
   out[col(PlanCol::FLAGS)] = flags;
+}
+
+// Fill one plan row for a padding row classified kPaddingSegment (no verify range, no seed, no expectations).
+KVC_HD void plan_forward_fill_padding(int64_t* out, int64_t i, int64_t row, int64_t pre, int64_t ext, int64_t wb,
+                                      int64_t entry_offset) {
+  out[col(PlanCol::BATCH_INDEX)] = i;
+  out[col(PlanCol::ROW)] = row;
+  out[col(PlanCol::IDX_BEGIN)] = 0;
+  out[col(PlanCol::IDX_END)] = 0;
+  out[col(PlanCol::POS_SHIFT)] = 0;
+  out[col(PlanCol::ENTRY_OFFSET)] = entry_offset;
+  out[col(PlanCol::FIRST_PREV_SLOT)] = NO_SLOT;
+  out[col(PlanCol::WRITE_BEGIN)] = wb;
+  out[col(PlanCol::WRITE_LEN)] = ext;
+  out[col(PlanCol::SEED_SLOT)] = NO_SLOT;
+  out[col(PlanCol::PREFIX_LEN)] = pre;
+  out[col(PlanCol::EXPECT_PREFIX)] = 0;
+  out[col(PlanCol::EXPECT_NEW)] = 0;
+  out[col(PlanCol::FLAGS)] = bits(PlanFlag::FIRST_IS_HEAD) | bits(PlanFlag::SEED_IS_HEAD) | bits(PlanFlag::PADDING);
 }
 
 // A sweep chain is planned iff its range lies in the flat slots [0, n) and its first position is >= 0.

@@ -33,6 +33,7 @@ struct Violation {
   KVC_HD Violation() {
     for (int i = 0; i < kNumViolationCols; ++i) v[i] = 0;
     v[col(ViolationCol::EXPECTED_TOKEN)] = SKIP_TOKEN;
+    v[col(ViolationCol::EXPECTED_SLOT)] = NO_SLOT;
   }
   KVC_HD int64_t& operator[](ViolationCol c) { return v[col(c)]; }
 };

@@ -6,6 +6,7 @@
 //   for seg in [0, nseg): row = args.plan + seg * kNumPlanCols
 //     if WRITE_LEN == 0: continue
 //     if !write_range_ok(args, row): write_emit_range_error(args, row, h) for every half; continue
+//     for j in [0, WRITE_LEN): write_structural(args, row, write_entry_load(args, row, j))   // half-independent
 //     for half h:
 //       WriteSeed seed = write_seed(args, row, h)          // emits the seed INPUT_ERROR row itself
 //       if !seed.ok: continue
@@ -18,7 +19,7 @@
 //       write_expect_new(args, row, h, chain_apply(carry.map, seed.h), carry.last_j)
 //   for every half: count(sink, tag_h, WRITE_RUNS, 1)
 //
-// Row layout of every write violation (all in group space):
+// Row layout of every write violation (group space except STRUCTURAL rows; EXPECTED_SLOT = NO_SLOT unless STRUCTURAL):
 //   TAG = tag_h, REASONS, SLOT = group slot (the raw bad value for slot input errors), POSITION = PREFIX_LEN + j
 //   (what the plan expects), STORED_POSITION = the written position p, BATCH_INDEX, REQ_ROW = ROW, STORED_TOKEN =
 //   the written token t, EXPECTED_TOKEN = pool token or SKIP_TOKEN, STORED_HASH = prev_hash written (0 when not
@@ -26,6 +27,9 @@
 //   Seed error rows: SLOT = SEED_SLOT, POSITION = PREFIX_LEN - 1, STORED_POSITION/TOKEN = 0.
 //   EXPECT_NEW rows: REASONS = WRITE_TOKEN, the last written entry's SLOT/POSITION/STORED_POSITION/STORED_TOKEN,
 //   STORED_HASH = chain value after the segment, EXPECTED_HASH = EXPECT_NEW, STORED_FP = 0.
+//   STRUCTURAL rows (WriteCheck::STRUCTURAL; tag of half 0, table space): SLOT = out_cache_loc, EXPECTED_SLOT =
+//   req_to_token[ROW, PREFIX_LEN + j] (NO_SLOT for a PADDING segment), POSITION = PREFIX_LEN + j, STORED_POSITION /
+//   STORED_TOKEN = the entry's position / token; not counted as INPUT_ERRORS.
 //   Range error rows (a plan row whose [WRITE_BEGIN, WRITE_BEGIN + WRITE_LEN) is not inside [0, num_tokens), or
 //   WRITE_LEN < 0): REASONS = INPUT_ERROR, SLOT = NO_SLOT, POSITION = PREFIX_LEN, one per half, segment not written.
 // Every INPUT_ERROR row also counts INPUT_ERRORS once for its half.
@@ -51,6 +55,7 @@ struct WriteArgs {
   const int64_t* positions;  // [num_tokens]
   const int64_t* out_cache_loc;  // [num_tokens], table space
   int64_t num_tokens;
+  SlotTable table;  // req_to_token [R, L] (read by the structural check only)
   int64_t tags[MAX_HALVES];
   SinkView sink;
   int64_t checks;  // WriteCheck bits
@@ -148,12 +153,15 @@ struct WriteEntry {
   int64_t token;
   int64_t position;
   int64_t slot;  // group slot (kWrite, kBadValue) or the offending value (kSlotError)
+  int64_t loc;  // out_cache_loc as given (table space)
 };
 
+// Entries of a PADDING segment are never written (kPad); only the structural check looks at them.
 KVC_HD WriteEntry write_entry_load(const WriteArgs& a, const int64_t* row, int64_t j) {
   const int64_t k = plan_at(row, PlanCol::WRITE_BEGIN) + j;
-  WriteEntry e{WriteKind::kPad, j, a.input_ids[k], a.positions[k], a.out_cache_loc[k]};
-  if (e.slot < 0) return e;
+  const int64_t loc = a.out_cache_loc[k];
+  WriteEntry e{WriteKind::kPad, j, a.input_ids[k], a.positions[k], loc, loc};
+  if (loc < 0 || plan_flag(row, PlanFlag::PADDING)) return e;
   const Resolved r = resolve_slot(a.group, e.slot);
   e.slot = r.slot;
   if (r.status == SlotStatus::kInputError) {
@@ -186,6 +194,32 @@ KVC_HD WriteCarry write_carry_compose(const WriteCarry& first, const WriteCarry&
 KVC_HD int64_t write_prev_pos(const WriteArgs& a, const int64_t* row, const WriteCarry& exclusive,
                               const WriteSeed& seed) {
   return exclusive.last_j >= 0 ? a.positions[plan_at(row, PlanCol::WRITE_BEGIN) + exclusive.last_j] : seed.prev_pos;
+}
+
+// The structural check of one entry (half-independent, reported with the tag of half 0): a request's entry must
+// write the slot req_to_token maps for (ROW, PREFIX_LEN + j); a PADDING segment's entry only a slot that resolves
+// reserved (or evicted: the group holds none there). Skipped entries (loc < 0) write nothing and pass; a table cell
+// outside the table (a plan not from plan_forward) is not checked.
+KVC_HD void write_structural(const WriteArgs& a, const int64_t* row, const WriteEntry& e) {
+  if (!write_check(a, WriteCheck::STRUCTURAL) || e.loc < 0) return;
+  const int64_t idx = plan_at(row, PlanCol::PREFIX_LEN) + e.j;
+  int64_t expected = NO_SLOT;
+  if (plan_flag(row, PlanFlag::PADDING)) {
+    const SlotStatus st = resolve_slot(a.group, e.loc).status;
+    if (st == SlotStatus::kReserved || st == SlotStatus::kEvicted) return;
+  } else {
+    const int64_t r = plan_at(row, PlanCol::ROW);
+    if (r < 0 || r >= a.table.rows || idx < 0 || idx >= a.table.cols) return;
+    expected = a.table.at(r, idx);
+    if (expected == e.loc) return;
+  }
+  Violation v = write_row_base(a, row, 0, bits(FailReason::STRUCTURAL));
+  v[ViolationCol::SLOT] = e.loc;
+  v[ViolationCol::EXPECTED_SLOT] = expected;
+  v[ViolationCol::POSITION] = idx;
+  v[ViolationCol::STORED_POSITION] = e.position;
+  v[ViolationCol::STORED_TOKEN] = e.token;
+  emit(a.sink, v);
 }
 
 // Per-half counter increments of a run of entries (flushed once by the caller: few atomics on the GPU).
@@ -337,6 +371,7 @@ inline WriteArgs make_write_args(TensorView records, TensorView swa_map, int64_t
   a.positions = static_cast<const int64_t*>(positions.data_ptr());
   a.out_cache_loc = static_cast<const int64_t*>(out_cache_loc.data_ptr());
   a.num_tokens = num_tokens;
+  a.table = SlotTable{table.data_ptr(), is_i32(table), table.size(0), table.size(1)};
   a.tags[0] = tag0;
   a.tags[1] = tag1;
   a.sink = SinkView{static_cast<int64_t*>(ring_rows.data_ptr()), static_cast<int64_t*>(ring_count.data_ptr()),

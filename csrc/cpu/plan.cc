@@ -82,6 +82,11 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
     switch (plan_forward_classify(rpi[i], pre[i], ext[i], wb, table.rows, table.cols, num_tokens, padding_row)) {
       case PlanOutcome::kPadding:
         break;
+      case PlanOutcome::kPaddingSegment:
+        plan_forward_fill_padding(out + segments * kNumPlanCols, i, rpi[i], pre[i], ext[i], wb, verify_entries);
+        write_entries += ext[i];
+        ++segments;
+        break;
       case PlanOutcome::kInputError:
         ++errors;
         break;

@@ -8,7 +8,7 @@
 //         input_ids: int64 [T], positions: int64 [T], out_cache_loc: int64 [T] (table space),
 //         ring_rows: int64 [cap, NUM_VIOLATION_COLS], ring_count: int64 [1],
 //         counters: int64 [NUM_LAUNCH_TAGS, NUM_COUNTER_COLS], step: int64 [1],
-//         checks: int64 (WriteCheck bits),
+//         checks: int64 (WriteCheck bits; STRUCTURAL reads table),
 //         pool_tokens: int64 [R', L'], pool_lens: int64 [R'], has_pool: int64, token_offset: int64,
 //         fp_table: int64 [H' >= H, n, NUM_FP_SOURCE_COLS], fp_mode: int64 (FingerprintMode; NONE = none),
 //         fp_layer_stride: int64) -> None
@@ -38,6 +38,9 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
       continue;
     }
     const int64_t len = plan_at(row, PlanCol::WRITE_LEN);
+    if (write_check(a, WriteCheck::STRUCTURAL)) {
+      for (int64_t j = 0; j < len; ++j) write_structural(a, row, write_entry_load(a, row, j));
+    }
     for (int64_t h = 0; h < a.halves; ++h) {
       const WriteSeed seed = write_seed(a, row, h);
       if (!seed.ok) continue;

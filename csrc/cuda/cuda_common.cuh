@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "core/fingerprint.cuh"
+#include "core/resolve.cuh"
 #include "core/sink.cuh"
 #include "core/tensor_checks.h"
 
@@ -211,6 +212,16 @@ __device__ __forceinline__ void store_record(int64_t* records, int64_t index, co
     p[2] = r.prev_hash;
     p[3] = r.kv_fingerprint;
   }
+}
+
+// Speculative L1 prefetch (no effect on results; the caller passes an address inside its tensor).
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
+// L1 prefetch of table element (r, c) (the caller checks it is inside the table).
+__device__ __forceinline__ void prefetch_table(const SlotTable& t, int64_t r, int64_t c) {
+  const int64_t k = r * t.cols + c;
+  prefetch_l1(t.is_i32 ? static_cast<const void*>(static_cast<const int32_t*>(t.data) + k)
+                       : static_cast<const void*>(static_cast<const int64_t*>(t.data) + k));
 }
 
 #endif  // __CUDACC__

@@ -26,15 +26,6 @@ struct PlanForwardArgs {
   int64_t padding_row;
 };
 
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-
-// L1 prefetch of table element (r, c) (the caller checks it is inside the table).
-__device__ __forceinline__ void prefetch_table(const SlotTable& t, int64_t r, int64_t c) {
-  const int64_t k = r * t.cols + c;
-  prefetch_l1(t.is_i32 ? static_cast<const void*>(static_cast<const int32_t*>(t.data) + k)
-                       : static_cast<const void*>(static_cast<const int64_t*>(t.data) + k));
-}
-
 // Scan lanes: running token offset, segments, verify entries, write entries, input errors, overflow.
 enum : int { kTok = 0, kSeg, kVer, kWri, kErr, kOvf, kLanes };
 
@@ -66,11 +57,11 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwa
     const PlanOutcome out = in ? plan_forward_classify(row, pre, ext, wb, a.table.rows, a.table.cols, a.num_tokens,
                                                        a.padding_row)
                                : PlanOutcome::kPadding;
-    const bool seg = out == PlanOutcome::kSegment;
+    const bool seg = out == PlanOutcome::kSegment, pad_seg = out == PlanOutcome::kPaddingSegment;
     int64_t w[kLanes] = {0,
-                         seg ? 1 : 0,
+                         (seg || pad_seg) ? 1 : 0,
                          seg ? pre - plan_forward_verify_begin(pre, a.window) : 0,
-                         seg ? ext : 0,
+                         (seg || pad_seg) ? ext : 0,
                          (out == PlanOutcome::kInputError || out == PlanOutcome::kOverflow) ? 1 : 0,
                          out == PlanOutcome::kOverflow ? 1 : 0};
     int64_t wtotal[kLanes];
@@ -80,6 +71,9 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwa
       plan_forward_fill(a.plan + s * kNumPlanCols, i, row, pre, ext, wb, a.window, carry[kVer] + w[kVer], a.table,
                         a.expect_prefix != nullptr, a.expect_prefix != nullptr ? a.expect_prefix[i] : 0,
                         a.expect_new != nullptr, a.expect_new != nullptr ? a.expect_new[i] : 0);
+    } else if (pad_seg) {
+      plan_forward_fill_padding(a.plan + (carry[kSeg] + w[kSeg]) * kNumPlanCols, i, row, pre, ext, wb,
+                                carry[kVer] + w[kVer]);
     }
     carry[kTok] = plan_token_cap(carry[kTok] + total[kTok], a.num_tokens);
 #pragma unroll

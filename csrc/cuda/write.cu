@@ -139,8 +139,6 @@ __device__ __forceinline__ bool segment_range_error(const WriteArgs& a, const in
   return plan_at(row, PlanCol::WRITE_LEN) != 0 && !write_range_ok(a, row);
 }
 
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-
 // Row threadIdx.x's write fields, loaded together with the status (rows below plan_cap are in bounds whatever the
 // status says): with at most kWriteThreads segments, a thread's first segment is its own row, so the status ->
 // plan round trip is gone. Only the fields segment_entries / segment_range_error / prefetch read are loaded.
@@ -153,6 +151,8 @@ struct OwnRow {
       v[col(PlanCol::WRITE_LEN)] = plan_at(row, PlanCol::WRITE_LEN);
       v[col(PlanCol::SEED_SLOT)] = plan_at(row, PlanCol::SEED_SLOT);
       v[col(PlanCol::FLAGS)] = plan_at(row, PlanCol::FLAGS);
+      v[col(PlanCol::ROW)] = plan_at(row, PlanCol::ROW);
+      v[col(PlanCol::PREFIX_LEN)] = plan_at(row, PlanCol::PREFIX_LEN);
     }
   }
   // Speculative L1 prefetches (no effect on results; only addresses inside their tensors): the row's first new
@@ -167,6 +167,11 @@ struct OwnRow {
     prefetch_l1(a.input_ids + k);
     prefetch_l1(a.positions + k);
     prefetch_l1(a.out_cache_loc + k);
+    const int64_t trow = plan_at(v, PlanCol::ROW), tcol = plan_at(v, PlanCol::PREFIX_LEN);
+    if (write_check(a, WriteCheck::STRUCTURAL) && !plan_flag(v, PlanFlag::PADDING) && trow >= 0 &&
+        trow < a.table.rows && tcol >= 0 && tcol < a.table.cols) {
+      prefetch_table(a.table, trow, tcol);  // the structural check's cell of the first new token
+    }
     if (plan_flag(v, PlanFlag::SEED_IS_HEAD)) return;
     const Resolved r = resolve_slot(a.group, plan_at(v, PlanCol::SEED_SLOT));
     if (r.status != SlotStatus::kOk) return;
@@ -180,6 +185,9 @@ struct OwnRow {
 // range, by one thread; its counts go to tally.
 __device__ __forceinline__ void write_segment_serial(const WriteArgs& a, const int64_t* row, int64_t len,
                                                      WriteTally (&tally)[MAX_HALVES]) {
+  if (write_check(a, WriteCheck::STRUCTURAL)) {
+    for (int64_t j = 0; j < len; ++j) write_structural(a, row, write_entry_load(a, row, j));
+  }
   for (int64_t h = 0; h < a.halves; ++h) {
     const WriteSeed seed = write_seed(a, row, h);  // emits the seed INPUT_ERROR row itself
     if (!seed.ok) continue;
@@ -386,6 +394,7 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
       if (it[i].row == nullptr) continue;
       const int64_t* row = it[i].row;
       const WriteEntry& e = it[i].e;
+      write_structural(a, row, e);
       if (row != seed_row) {
         for (int64_t h = 0; h < a.halves; ++h) seeds[h] = write_seed_value(a, row, h);
         seed_row = row;

@@ -128,6 +128,7 @@ class FaultCase:
     engine: tuple[tuple[str, Any], ...] = ()  # EngineConfig overrides
     spec: bool = False
     expect_request: str | None = None  # the request the violation must be attributed to, where fixed
+    on_padding: bool = False  # the violation names the padding row (whoever owns the slot is the victim)
     bound: int = 1  # forwards to detect (per-forward: of the request in that pool; sweep: of the pool)
 
 
@@ -144,13 +145,16 @@ ENGINE_CASES: tuple[FaultCase, ...] = (
               _R.VERIFY_CHAIN | _R.VERIFY_POSITION, engine_fault="use_after_free", engine=(("chunk_size", 8),),
               bound=_SWEEP_INTERVAL),
     FaultCase("block_boundary_off_by_one", "#3 block-boundary off-by-one (write to previous page)", "batch",
-              "chain / position", _PER_FORWARD, (Stage.HEAD, Stage.TAIL),
-              _R.VERIFY_CHAIN | _R.VERIFY_POSITION | _R.VERIFY_FINGERPRINT, engine_fault="block_boundary_off_by_one",
-              engine=(("chunk_size", 8), ("page_size", 4))),
-    # padding rows get no records (the plan skips them), so only the live slot's real bytes change
-    FaultCase("padding_write_live_slot", "#4/#11 padding row writes a live slot", "batch", "fingerprint",
-              _PER_FORWARD, (Stage.TAIL,), _R.VERIFY_FINGERPRINT,
-              engine_fault="padding_write_live_slot", engine=(("chunk_size", 8), ("decode_pad_multiple", 4)), bound=0),
+              "chain / position (structural check first)", _PER_FORWARD, (Stage.HEAD, Stage.TAIL),
+              _R.STRUCTURAL | _R.VERIFY_CHAIN | _R.VERIFY_POSITION | _R.VERIFY_FINGERPRINT,
+              engine_fault="block_boundary_off_by_one", engine=(("chunk_size", 8), ("page_size", 4))),
+    # the padding row's PADDING segment: its token may write only a reserved slot (HEAD write, the same forward)
+    FaultCase("padding_write_live_slot", "#4/#11 padding row writes a live slot", "batch", "structural check",
+              _PER_FORWARD, (Stage.HEAD,), _R.STRUCTURAL, engine_fault="padding_write_live_slot",
+              engine=(("chunk_size", 8), ("decode_pad_multiple", 4)), on_padding=True, bound=0),
+    FaultCase("stale_out_cache_loc", "#4 out_cache_loc disagrees with req_to_token (KV lands in a free slot)",
+              "batch", "structural check", _PER_FORWARD, (Stage.HEAD,), _R.STRUCTURAL,
+              engine_fault="stale_out_cache_loc", engine=(("chunk_size", 8),), bound=0),
     FaultCase("spec_rollback_wrong_slots", "#10 speculative rollback frees a live page", "batch",
               "chain + invalidate on free", _PER_FORWARD, (Stage.HEAD,),
               _R.VERIFY_CHAIN | _R.VERIFY_POSITION, engine_fault="spec_rollback_wrong_slots", engine=_SPEC, spec=True),
@@ -462,6 +466,8 @@ def run_trial(case: FaultCase, seed: int, device: str = "cpu", backend: str = "t
 def _attributed(case: FaultCase, watch: _Watch, v: Violation) -> bool:
     if v.tag.stage == Stage.SWEEP:  # a sweep row names the cached chain (no request holds it)
         return watch.chain is None or v.batch_index == watch.chain
+    if case.on_padding:
+        return v.request_id is None
     if v.request_id is None:
         return False
     if case.expect_request is not None and v.request_id != case.expect_request:

@@ -125,6 +125,9 @@ class CanaryConfig:
     token_truth: TokenTruth = TokenTruth.CHAIN
     input_asserts: bool = False  # WriteCheck.INPUTS
     chain_position_assert: bool = True  # WriteCheck.CHAIN_POSITION
+    # WriteCheck.STRUCTURAL in the HEAD write of the first group: out_cache_loc must equal req_to_token at each new
+    # token's (row, position), padding rows may write only reserved slots (docs/ops-contract.md 5)
+    structural_check: bool = True
     ring_capacity: int = DEFAULT_RING_CAPACITY
     report_interval: int = 1  # forwards per reporting window
     stats_interval: int = DEFAULT_STATS_INTERVAL  # forwards between stats lines; 0 = off
@@ -205,7 +208,7 @@ class CanaryConfig:
 
 _INT_KNOBS = {"layer_stride", "stripe_size", "window_links", "sweep_interval", "sweep_capacity", "ring_capacity",
               "report_interval", "stats_interval", "log_rate_limit", "req_capacity", "token_capacity"}
-_BOOL_KNOBS = {"input_asserts", "chain_position_assert", "watchdog", "sweep_unlocked_only"}
+_BOOL_KNOBS = {"input_asserts", "chain_position_assert", "structural_check", "watchdog", "sweep_unlocked_only"}
 
 
 def _parse(name: str, raw: str, cls: type[CanaryConfig]) -> Any:

@@ -132,6 +132,8 @@ class CanaryManager:
         self.sinks += list(sinks)
         self._checks = (int(WriteCheck.CHAIN_POSITION) if config.chain_position_assert else 0) | \
             (int(WriteCheck.INPUTS) if config.input_asserts else 0)
+        # the structural check is a table-space property of the batch: once per forward (HEAD, first group)
+        self._structural = int(WriteCheck.STRUCTURAL) if config.structural_check else 0
         self._bs = 0
         self._nt = 0
         self._mask_needed = True
@@ -380,8 +382,9 @@ class CanaryManager:
 
     def _write(self, g: GroupState, stage: Stage) -> None:
         st, nt = self.state, self._nt
+        checks = self._checks | (self._structural if stage == Stage.HEAD and g is st.groups[0] else 0)
         write(g.views(stage), stage, g.plan, g.status, self._slot_table(), st.input_ids[:nt], st.positions[:nt],
-              st.out_cache_loc[:nt], st.sink, checks=self._checks, token_pool=st.token_pool,
+              st.out_cache_loc[:nt], st.sink, checks=checks, token_pool=st.token_pool,
               fingerprint=g.fingerprint if stage == Stage.TAIL else None, backend=self.backend)
 
     def _launches_per_forward(self) -> torch.Tensor:

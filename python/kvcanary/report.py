@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from kvcanary_schema import CounterCol, FailReason, LaunchTag, ViolationCol
+from kvcanary_schema import NO_SLOT, CounterCol, FailReason, LaunchTag, ViolationCol
 
 from kvcanary.errors import KVCanaryError
 from kvcanary.ops.hashes import to_u64
@@ -43,6 +43,7 @@ class Violation:
     step: int
     request_id: Hashable | None = None
     request_position: int | None = None  # position of the token in the request's sequence
+    expected_slot: int = NO_SLOT  # STRUCTURAL: the slot req_to_token maps (NO_SLOT: padding, reserved slots only)
 
     def key(self) -> tuple[int, int, int]:
         """Deduplication key: the same check failing at the same slot."""
@@ -57,13 +58,14 @@ class Violation:
             "stored_hash": f"0x{self.stored_hash:016x}", "expected_hash": f"0x{self.expected_hash:016x}",
             "stored_fp": f"0x{self.stored_fp:016x}", "expected_fp": f"0x{self.expected_fp:016x}", "step": self.step,
             "request_id": None if self.request_id is None else str(self.request_id),
-            "request_position": self.request_position,
+            "request_position": self.request_position, "expected_slot": self.expected_slot,
         }
 
     def line(self) -> str:
         """One key=value log line."""
         return (f"kvcanary violation: tag={self.tag.name} reasons={'+'.join(reason_names(int(self.reasons)))} "
-                f"slot={self.slot} position={self.position} stored_position={self.stored_position} "
+                f"slot={self.slot} expected_slot={self.expected_slot} position={self.position} "
+                f"stored_position={self.stored_position} "
                 f"request={self.request_id} row={self.req_row} stored_token={self.stored_token} "
                 f"expected_token={self.expected_token} stored_hash=0x{self.stored_hash:016x} "
                 f"expected_hash=0x{self.expected_hash:016x} stored_fp=0x{self.stored_fp:016x} "
@@ -94,7 +96,8 @@ def decode_rows(rows: torch.Tensor, batches: Mapping[int, StepBatch] | None = No
             tag, FailReason(r[ViolationCol.REASONS]), r[ViolationCol.SLOT], r[ViolationCol.POSITION],
             r[ViolationCol.STORED_POSITION], bi, r[ViolationCol.REQ_ROW], r[ViolationCol.STORED_TOKEN],
             r[ViolationCol.EXPECTED_TOKEN], to_u64(r[ViolationCol.STORED_HASH]), to_u64(r[ViolationCol.EXPECTED_HASH]),
-            to_u64(r[ViolationCol.STORED_FP]), to_u64(r[ViolationCol.EXPECTED_FP]), step, rid, rpos))
+            to_u64(r[ViolationCol.STORED_FP]), to_u64(r[ViolationCol.EXPECTED_FP]), step, rid, rpos,
+            r[ViolationCol.EXPECTED_SLOT]))
     return out
 
 

@@ -30,7 +30,7 @@ def test_fault_is_reported_by_its_check(case: C.FaultCase, seed: int, backend: s
     assert trial.request_ok, f"{case.name}: wrong attribution: {trial}"
     assert 0 <= trial.forwards_to_detect <= case.bound, f"{case.name}: too late: {trial}"
     if case.detect == "per-forward":
-        assert trial.request is not None and trial.tag.startswith(("HEAD", "TAIL"))
+        assert (trial.request is not None or case.on_padding) and trial.tag.startswith(("HEAD", "TAIL"))
     else:
         assert trial.tag.startswith("SWEEP") or trial.request is not None
 
@@ -57,7 +57,7 @@ def test_token_truth_is_what_catches_it(case: C.FaultCase, backend: str) -> None
     assert without.fired and not without.ok, f"{case.name} caught without token truth: {without}"
 
 
-STRUCTURAL = [c for c in C.CASES if c.needs.startswith("chain")]
+STRUCTURAL = [c for c in C.CASES if c.needs.startswith(("chain", "structural"))]
 
 
 @pytest.mark.parametrize("case", STRUCTURAL, ids=[c.name for c in STRUCTURAL])
@@ -72,11 +72,20 @@ def test_fingerprints_are_what_catch_kv_corruption(backend: str) -> None:
     from kvcanary.errors import CanaryInputError
     with pytest.raises(CanaryInputError):
         C.run_trial(C.CASES_BY_NAME["perturb:multi_bit_flip"], 0, backend=backend, fingerprint=FingerprintMode.NONE)
-    case = C.CASES_BY_NAME["padding_write_live_slot"]
-    with_fp = effective_trial(case, 4, backend)
-    assert with_fp.ok
-    without = C.run_trial(case, with_fp.seed, backend=backend, fingerprint=FingerprintMode.NONE)
-    assert without.fired and not without.detected
+
+
+@pytest.mark.parametrize("name", ["padding_write_live_slot", "stale_out_cache_loc"])
+def test_structural_check_is_what_catches_misplaced_writes(name: str, backend: str) -> None:
+    """A write to the wrong slot leaves every record self-consistent: without the structural check and without
+    fingerprints nothing is reported; the structural check alone reports it in the forward where it happens."""
+    case = C.CASES_BY_NAME[name]
+    alone = effective_trial(case, 4, backend, fingerprint=FingerprintMode.NONE, token_truth=TokenTruth.OFF)
+    assert alone.ok and alone.forwards_to_detect == 0, alone
+    without = C.run_trial(case, alone.seed, backend=backend, fingerprint=FingerprintMode.NONE,
+                          structural_check=False)
+    assert without.fired and not without.ok, without
+    if name == "padding_write_live_slot":  # records never see a padding write
+        assert not without.detected, without
 
 
 def test_case_table_covers_bug_classes_and_perturb_modes() -> None:

@@ -44,6 +44,7 @@ CASES: list[tuple[str, dict[str, int | bool], bool, Scenario]] = [
     ("use_after_free", {"chunk_size": 8}, False, _two_turns),
     ("block_boundary_off_by_one", {"chunk_size": 8, "page_size": 4}, False, _batch),
     ("padding_write_live_slot", {"chunk_size": 8, "decode_pad_multiple": 4}, False, _batch),
+    ("stale_out_cache_loc", {"chunk_size": 8}, False, _batch),
     ("spec_rollback_wrong_slots", {"chunk_size": 8, "spec_num_draft": 3}, True, _batch),
     ("spec_stale_draft", {"chunk_size": 8, "spec_num_draft": 3}, True, _batch),
     ("trimmed_tail_still_read", {"chunk_size": 8, "spec_num_draft": 3}, True, _batch),

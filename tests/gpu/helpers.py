@@ -28,7 +28,7 @@ from kvcanary_schema import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the CPU test modules' scenario generators
 
-ALL_CHECKS = int(WriteCheck.CHAIN_POSITION | WriteCheck.INPUTS)
+ALL_CHECKS = int(WriteCheck.CHAIN_POSITION | WriteCheck.INPUTS | WriteCheck.STRUCTURAL)
 
 
 def sources_to(src: FingerprintSources, device: str) -> FingerprintSources:

@@ -19,6 +19,7 @@ enum class FailReason : int64_t {
   WRITE_POSITION = 16,  // a written position is not previous + 1 (chain-position assert) or not prefix_len + j (input assert)
   VERIFY_TOKEN = 32,  // stored token differs from token truth (expected-token pool, or expected chain value at the prefix boundary)
   INPUT_ERROR = 64,  // a device-side input value was out of range (slot, token, position); the entry was skipped, never accessed
+  STRUCTURAL = 128,  // a write's slot breaks the batch's structure: out_cache_loc differs from the slot req_to_token maps for the entry's (row, position), or a padding token writes a slot that is not reserved
 };
 
 // When a canary launch runs.
@@ -60,12 +61,14 @@ enum class PlanFlag : int64_t {
   SEED_IS_HEAD = 2,  // the write starts a chain: seed from the anchor
   EXPECT_PREFIX = 4,  // EXPECT_PREFIX is valid
   EXPECT_NEW = 8,  // EXPECT_NEW is valid
+  PADDING = 16,  // a padding row's write segment: no verify range, nothing written; its tokens may write only reserved slots
 };
 
 // Optional checks of a write launch.
 enum class WriteCheck : int64_t {
   CHAIN_POSITION = 1,  // each written position is the previous one + 1
   INPUTS = 2,  // positions equal prefix_len + j; tokens equal the expected-token pool
+  STRUCTURAL = 4,  // out_cache_loc equals req_to_token[row, prefix_len + j]; padding tokens write only reserved slots (rows tagged with half 0)
 };
 
 // {Stage} x {Half} x {Group}: stamped into violation rows, row index of the counters.
@@ -89,7 +92,7 @@ constexpr int32_t kNumLaunchTags = 12;
 enum class ViolationCol : int32_t {
   TAG = 0,  // LaunchTag of the launch that found it
   REASONS = 1,  // FailReason bits
-  SLOT = 2,  // slot in the group's pool (or the raw bad value for INPUT_ERROR)
+  SLOT = 2,  // slot in the group's pool (the raw bad value for INPUT_ERROR; the table-space out_cache_loc for STRUCTURAL)
   POSITION = 3,  // position the plan expected at this slot
   STORED_POSITION = 4,  // position stored in the record
   BATCH_INDEX = 5,  // request index in the batch (chain index for sweeps)
@@ -101,8 +104,9 @@ enum class ViolationCol : int32_t {
   STORED_FP = 11,  // stored fingerprint
   EXPECTED_FP = 12,  // fresh fingerprint (0 when not computed)
   STEP = 13,  // value of the step counter when found
+  EXPECTED_SLOT = 14,  // STRUCTURAL rows: the table-space slot req_to_token maps for (REQ_ROW, POSITION), NO_SLOT for a padding token (only reserved slots allowed); NO_SLOT in other rows
 };
-constexpr int32_t kNumViolationCols = 14;
+constexpr int32_t kNumViolationCols = 15;
 
 // Per-launch-tag health counters: counters[tag, column].
 enum class CounterCol : int32_t {
@@ -209,7 +213,7 @@ static_assert(offsetof(CanaryRecord, kv_fingerprint) == 24, "record offset of kv
 struct ViolationRow {
   int64_t tag;  // LaunchTag of the launch that found it
   int64_t reasons;  // FailReason bits
-  int64_t slot;  // slot in the group's pool (or the raw bad value for INPUT_ERROR)
+  int64_t slot;  // slot in the group's pool (the raw bad value for INPUT_ERROR; the table-space out_cache_loc for STRUCTURAL)
   int64_t position;  // position the plan expected at this slot
   int64_t stored_position;  // position stored in the record
   int64_t batch_index;  // request index in the batch (chain index for sweeps)
@@ -221,8 +225,9 @@ struct ViolationRow {
   int64_t stored_fp;  // stored fingerprint
   int64_t expected_fp;  // fresh fingerprint (0 when not computed)
   int64_t step;  // value of the step counter when found
+  int64_t expected_slot;  // STRUCTURAL rows: the table-space slot req_to_token maps for (REQ_ROW, POSITION), NO_SLOT for a padding token (only reserved slots allowed); NO_SLOT in other rows
 };
-static_assert(sizeof(ViolationRow) == 14 * sizeof(int64_t), "violation row size");
+static_assert(sizeof(ViolationRow) == 15 * sizeof(int64_t), "violation row size");
 static_assert(offsetof(ViolationRow, tag) == 0, "violation offset of tag");
 static_assert(offsetof(ViolationRow, reasons) == 8, "violation offset of reasons");
 static_assert(offsetof(ViolationRow, slot) == 16, "violation offset of slot");
@@ -237,6 +242,7 @@ static_assert(offsetof(ViolationRow, expected_hash) == 80, "violation offset of 
 static_assert(offsetof(ViolationRow, stored_fp) == 88, "violation offset of stored_fp");
 static_assert(offsetof(ViolationRow, expected_fp) == 96, "violation offset of expected_fp");
 static_assert(offsetof(ViolationRow, step) == 104, "violation offset of step");
+static_assert(offsetof(ViolationRow, expected_slot) == 112, "violation offset of expected_slot");
 
 }  // namespace schema
 }  // namespace kvcanary

@@ -19,6 +19,7 @@ class FailReason(IntFlag):
     WRITE_POSITION = 16  # a written position is not previous + 1 (chain-position assert) or not prefix_len + j (input assert)
     VERIFY_TOKEN = 32  # stored token differs from token truth (expected-token pool, or expected chain value at the prefix boundary)
     INPUT_ERROR = 64  # a device-side input value was out of range (slot, token, position); the entry was skipped, never accessed
+    STRUCTURAL = 128  # a write's slot breaks the batch's structure: out_cache_loc differs from the slot req_to_token maps for the entry's (row, position), or a padding token writes a slot that is not reserved
 
 
 FAIL_REASON_DOCS: Final[dict[FailReason, str]] = {
@@ -29,6 +30,7 @@ FAIL_REASON_DOCS: Final[dict[FailReason, str]] = {
     FailReason.WRITE_POSITION: 'a written position is not previous + 1 (chain-position assert) or not prefix_len + j (input assert)',
     FailReason.VERIFY_TOKEN: 'stored token differs from token truth (expected-token pool, or expected chain value at the prefix boundary)',
     FailReason.INPUT_ERROR: 'a device-side input value was out of range (slot, token, position); the entry was skipped, never accessed',
+    FailReason.STRUCTURAL: "a write's slot breaks the batch's structure: out_cache_loc differs from the slot req_to_token maps for the entry's (row, position), or a padding token writes a slot that is not reserved",
 }
 
 
@@ -77,6 +79,7 @@ class PlanFlag(IntFlag):
     SEED_IS_HEAD = 2  # the write starts a chain: seed from the anchor
     EXPECT_PREFIX = 4  # EXPECT_PREFIX is valid
     EXPECT_NEW = 8  # EXPECT_NEW is valid
+    PADDING = 16  # a padding row's write segment: no verify range, nothing written; its tokens may write only reserved slots
 
 
 class WriteCheck(IntFlag):
@@ -84,6 +87,7 @@ class WriteCheck(IntFlag):
 
     CHAIN_POSITION = 1  # each written position is the previous one + 1
     INPUTS = 2  # positions equal prefix_len + j; tokens equal the expected-token pool
+    STRUCTURAL = 4  # out_cache_loc equals req_to_token[row, prefix_len + j]; padding tokens write only reserved slots (rows tagged with half 0)
 
 
 class LaunchTag(IntEnum):
@@ -146,7 +150,7 @@ class ViolationCol(IntEnum):
 
     TAG = 0  # LaunchTag of the launch that found it
     REASONS = 1  # FailReason bits
-    SLOT = 2  # slot in the group's pool (or the raw bad value for INPUT_ERROR)
+    SLOT = 2  # slot in the group's pool (the raw bad value for INPUT_ERROR; the table-space out_cache_loc for STRUCTURAL)
     POSITION = 3  # position the plan expected at this slot
     STORED_POSITION = 4  # position stored in the record
     BATCH_INDEX = 5  # request index in the batch (chain index for sweeps)
@@ -158,9 +162,10 @@ class ViolationCol(IntEnum):
     STORED_FP = 11  # stored fingerprint
     EXPECTED_FP = 12  # fresh fingerprint (0 when not computed)
     STEP = 13  # value of the step counter when found
+    EXPECTED_SLOT = 14  # STRUCTURAL rows: the table-space slot req_to_token maps for (REQ_ROW, POSITION), NO_SLOT for a padding token (only reserved slots allowed); NO_SLOT in other rows
 
 
-NUM_VIOLATION_COLS: Final = 14
+NUM_VIOLATION_COLS: Final = 15
 
 
 class CounterCol(IntEnum):

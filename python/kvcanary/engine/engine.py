@@ -407,11 +407,14 @@ class Engine:
 
     # ----------------------------------------------------------------- forwards
     def _out_slots(self, state: ReqState, positions: list[int]) -> list[int]:
-        """Slots the new tokens' KV go to (with the block-boundary fault applied)."""
+        """Slots the new tokens' KV go to (with the block-boundary and stale out_cache_loc faults applied)."""
         size, out = self.config.page_size, []
         for p in positions:
+            stale = self.allocator.next_free_slot()
             if p >= size and p % size == 0 and self.faults.fire("block_boundary_off_by_one"):
                 out.append(self._slot(state, p - size))
+            elif stale is not None and self.faults.fire("stale_out_cache_loc"):
+                out.append(stale)
             else:
                 out.append(self._slot(state, p))
         return out

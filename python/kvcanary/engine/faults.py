@@ -19,6 +19,8 @@ class FaultConfig:
     - block_boundary_off_by_one: at a page boundary out_cache_loc uses the previous page's index
       (slot of position p - page_size), overwriting live KV while req_to_token says otherwise.
     - padding_write_live_slot: a padded decode row writes to a live slot instead of the reserved one.
+    - stale_out_cache_loc: a new token's out_cache_loc names a free slot (a stale allocation) while
+      req_to_token maps the token's own slot: its KV lands where nothing reads it.
     - spec_rollback_wrong_slots: rollback frees the page before the first rejected one (still
       referenced) and leaks the last one.
     - spec_stale_draft: rollback does not invalidate the rejected draft slot; the draft keeps KV
@@ -36,6 +38,7 @@ class FaultConfig:
     use_after_free: float = 0.0
     block_boundary_off_by_one: float = 0.0
     padding_write_live_slot: float = 0.0
+    stale_out_cache_loc: float = 0.0
     spec_rollback_wrong_slots: float = 0.0
     spec_stale_draft: float = 0.0
     trimmed_tail_still_read: float = 0.0

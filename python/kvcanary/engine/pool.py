@@ -40,6 +40,10 @@ class SlotAllocator:
         """Whether a page is on the free list."""
         return self._is_free[page]
 
+    def next_free_slot(self) -> int | None:
+        """First slot of the page the next allocation would hand out (None when no page is free)."""
+        return self._free[0] * self.page_size if self._free else None
+
     def alloc(self, num_pages: int) -> list[int] | None:
         """Pop `num_pages` pages, or return None (and take nothing) when too few are free."""
         if num_pages > len(self._free):

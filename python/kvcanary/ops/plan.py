@@ -138,11 +138,14 @@ def _plan_forward_torch(plan: torch.Tensor, status: torch.Tensor, rpi: torch.Ten
     valid = (~pad & (rpi >= 0) & (rpi < num_rows) & (pre >= 0) & (ext >= 0) & (pre <= row_len)
              & (ext <= row_len - pre))
     over = valid & (ext > num_tokens - wb)
-    ok = valid & ~over
+    # padding rows whose tokens lie inside the batch get a PADDING segment (csrc/core/plan.cuh)
+    pad_seg = pad & (rpi < num_rows) & (ext > 0) & (ext <= num_tokens - wb)
+    ok = (valid & ~over) | pad_seg
+    req = ok & ~pad_seg
     vb = torch.clamp(pre - window, min=0) if window > 0 else torch.zeros_like(pre)
-    vb = torch.where(ok, vb, torch.zeros_like(vb))
-    pre_ok = torch.where(ok, pre, torch.zeros_like(pre))
-    row_ok = torch.where(ok, rpi, torch.zeros_like(rpi))
+    vb = torch.where(req, vb, torch.zeros_like(vb))
+    pre_ok = torch.where(req, pre, torch.zeros_like(pre))
+    row_ok = torch.where(req, rpi, torch.zeros_like(rpi))
     flat = table.reshape(-1).to(torch.int64)
 
     def at(idx: torch.Tensor) -> torch.Tensor:  # table[row, idx] where idx >= 0, else NO_SLOT
@@ -160,14 +163,14 @@ def _plan_forward_torch(plan: torch.Tensor, status: torch.Tensor, rpi: torch.Ten
     rows[:, PlanCol.WRITE_LEN] = ext
     rows[:, PlanCol.SEED_SLOT] = at(pre_ok - 1)
     rows[:, PlanCol.PREFIX_LEN] = pre
-    flags = _flag(vb == 0, PlanFlag.FIRST_IS_HEAD) | _flag(pre == 0, PlanFlag.SEED_IS_HEAD)
+    flags = _flag(vb == 0, PlanFlag.FIRST_IS_HEAD) | _flag(pre_ok == 0, PlanFlag.SEED_IS_HEAD)
     if expect_prefix is not None:
-        rows[:, PlanCol.EXPECT_PREFIX] = expect_prefix
-        flags |= int(PlanFlag.EXPECT_PREFIX)
+        rows[:, PlanCol.EXPECT_PREFIX] = torch.where(pad_seg, 0, expect_prefix)
+        flags |= _flag(~pad_seg, PlanFlag.EXPECT_PREFIX)
     if expect_new is not None:
-        rows[:, PlanCol.EXPECT_NEW] = expect_new
-        flags |= int(PlanFlag.EXPECT_NEW)
-    rows[:, PlanCol.FLAGS] = flags
+        rows[:, PlanCol.EXPECT_NEW] = torch.where(pad_seg, 0, expect_new)
+        flags |= _flag(~pad_seg, PlanFlag.EXPECT_NEW)
+    rows[:, PlanCol.FLAGS] = flags | _flag(pad_seg, PlanFlag.PADDING)
     errors = (~pad & ~valid).sum() + over.sum()
     _write_segments(plan, status, ok, rows, ext, errors, over.any().to(torch.int64))
 

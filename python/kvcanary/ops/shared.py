@@ -48,9 +48,10 @@ def record_link(rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def violation_rows(n: int, device: torch.device) -> torch.Tensor:
-    """n zeroed violation rows with EXPECTED_TOKEN = SKIP_TOKEN."""
+    """n zeroed violation rows with EXPECTED_TOKEN = SKIP_TOKEN and EXPECTED_SLOT = NO_SLOT."""
     r = torch.zeros(n, NUM_VIOLATION_COLS, dtype=torch.int64, device=device)
     r[:, ViolationCol.EXPECTED_TOKEN] = SKIP_TOKEN
+    r[:, ViolationCol.EXPECTED_SLOT] = NO_SLOT
     return r
 
 

@@ -29,7 +29,7 @@ from kvcanary.ops.types import Fingerprint, GroupView, Sink, TokenPool, check_ba
 
 # Slot resolution outcomes (csrc/core/resolve.cuh SlotStatus).
 OK, INPUT_ERROR, EVICTED, RESERVED = 0, 1, 2, 3
-_ALL_CHECKS = int(WriteCheck.CHAIN_POSITION | WriteCheck.INPUTS)
+_ALL_CHECKS = sum(int(c) for c in WriteCheck)
 _CHAIN_BASE_INV = pow(CHAIN_BASE, -1, 1 << 64)
 
 
@@ -40,8 +40,9 @@ def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tens
     """Write the records of every planned segment's new tokens (both halves of one HEAD/TAIL stage) into ``group``.
 
     ``input_ids``, ``positions`` and ``out_cache_loc`` are the batch's flat int64 ``[num_tokens]`` tensors
-    (``out_cache_loc`` in table space, negative = skipped); ``checks`` holds WriteCheck bits. Fingerprints are
-    TAIL-only. Bad values inside tensors become counted INPUT_ERROR rows in ``sink``.
+    (``out_cache_loc`` in table space, negative = skipped); ``checks`` holds WriteCheck bits (STRUCTURAL compares
+    ``out_cache_loc`` with ``table``). Fingerprints are TAIL-only. Bad values inside tensors become counted
+    INPUT_ERROR rows in ``sink``.
     """
     if not isinstance(group, GroupView):
         raise CanaryInputError(f"group must be a GroupView, got {type(group).__name__}")
@@ -66,7 +67,7 @@ def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tens
     tags = group.tags(stage)
     b = check_backend(backend, device)
     if b == "torch":
-        _write_torch(group, tags, p, s, ids, pos, loc, sink, checks, token_pool, fingerprint)
+        _write_torch(group, tags, p, s, tbl, ids, pos, loc, sink, checks, token_pool, fingerprint)
         return
     e = empty_i64(device)
     _native.module(b).write(
@@ -107,9 +108,32 @@ def _bit(mask: torch.Tensor, reason: FailReason) -> torch.Tensor:
     return mask.to(torch.int64) * int(reason)
 
 
-def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: torch.Tensor, ids: torch.Tensor,
-                 pos: torch.Tensor, loc: torch.Tensor, sink: Sink, checks: int, pool: TokenPool | None,
-                 fp: Fingerprint | None) -> None:
+def _structural_rows(group: GroupView, table: torch.Tensor, segs: torch.Tensor, j: torch.Tensor, lc: torch.Tensor,
+                     t: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, dict[ViolationCol, torch.Tensor | int]]:
+    """Entries failing the structural check (csrc/core/write.cuh write_structural) and their row columns.
+
+    ``segs`` are the entries' plan rows [E, NUM_PLAN_COLS], ``j`` their index in the segment, ``lc`` / ``t`` / ``p``
+    their out_cache_loc / token / position.
+    """
+    num_rows, row_len = table.shape
+    padding = (segs[:, PlanCol.FLAGS] & int(PlanFlag.PADDING)) != 0
+    row, idx = segs[:, PlanCol.ROW], segs[:, PlanCol.PREFIX_LEN] + j
+    in_table = (row >= 0) & (row < num_rows) & (idx >= 0) & (idx < row_len)
+    flat = table.reshape(-1)
+    k = torch.where(in_table, row * row_len + idx, torch.zeros_like(idx))
+    cell = flat[k].to(torch.int64) if flat.numel() else torch.zeros_like(k)
+    outcome, _ = resolve_slots(group, lc)
+    pad_bad = padding & (outcome != RESERVED) & (outcome != EVICTED)
+    req_bad = ~padding & in_table & (cell != lc)
+    hit = torch.nonzero((lc >= 0) & (pad_bad | req_bad)).squeeze(1)
+    expected = torch.where(padding, torch.full_like(cell, NO_SLOT), cell)
+    return hit, {ViolationCol.SLOT: lc[hit], ViolationCol.EXPECTED_SLOT: expected[hit], ViolationCol.POSITION: idx[hit],
+                 ViolationCol.STORED_POSITION: p[hit], ViolationCol.STORED_TOKEN: t[hit]}
+
+
+def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
+                 ids: torch.Tensor, pos: torch.Tensor, loc: torch.Tensor, sink: Sink, checks: int,
+                 pool: TokenPool | None, fp: Fingerprint | None) -> None:
     dev = group.records.device
     num_tokens = ids.shape[0]
     for tag in tags:
@@ -167,12 +191,15 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
     k = _at(wb, sid) + j
     t, p, lc = _at(ids, k), _at(pos, k), _at(loc, k)
     outcome, slot = resolve_slots(group, lc)
-    pad = lc < 0
+    pad = (lc < 0) | ((_at(flags, sid) & int(PlanFlag.PADDING)) != 0)  # PADDING segments are never written
     placed = ~pad & ((outcome == OK) | (outcome == RESERVED))
     active = placed & H.chain_value_ok(t) & H.chain_value_ok(p)
     skip_err = ~pad & ~active & (outcome != EVICTED)  # slot input error or bad token/position
     evicted = ~pad & (outcome == EVICTED)
     expected_pos = _at(good[:, PlanCol.PREFIX_LEN].contiguous(), sid) + j
+    if checks & WriteCheck.STRUCTURAL:
+        hit, cols = _structural_rows(group, table, good[sid], j, lc, t, p)
+        add_rows(tags[0], int(FailReason.STRUCTURAL), good[sid[hit]], cols)
 
     # Exclusive affine scan per segment via prefix sums: with C = number of active entries before i (global) and
     # S = sum over earlier active m of g_m * B^-(C_m + 1), h_before(i) = B^C_i * (B^-C_e0 * seed + S_i - S_e0).
