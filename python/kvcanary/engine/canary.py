@@ -84,7 +84,8 @@ def prefix_cache_export(engine: Engine, kind: PoolKind = PoolKind.TARGET) -> Pre
     prev = c.prev_slots
     if kind == PoolKind.DRAFT:
         prev = torch.where(prev == NO_SLOT, prev, torch.full_like(prev, engine.config.num_slots))
-    return PrefixCacheExport(c.slots, c.chain_starts, c.chain_lens, c.first_positions, prev, c.unlocked)
+    return PrefixCacheExport(c.slots, c.chain_starts, c.chain_lens, c.first_positions, prev, c.unlocked,
+                             holders=c.holders)
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,13 @@ class EngineCanary:
     """
 
     def __init__(self, engine: Engine, config: CanaryConfig, sinks: Sequence[ReportSink] = (),
-                 on_forward: Callable[[EngineCanary, ForwardBatch, PoolKind], None] | None = None) -> None:
-        """Install one manager per pool and become ``engine``'s hooks; ``on_forward`` runs after every bracket."""
+                 on_forward: Callable[[EngineCanary, ForwardBatch, PoolKind], None] | None = None,
+                 quarantine: bool = True) -> None:
+        """Install one manager per pool and become ``engine``'s hooks; ``on_forward`` runs after every bracket;
+        ``quarantine``: reported bad slots leave the prefix cache (evicted, recomputed on the next use)."""
         self.engine = engine
         self.config = config
+        self.quarantine = quarantine
         self.managers: dict[PoolKind, CanaryManager] = {}
         kinds = [PoolKind.TARGET] + ([PoolKind.DRAFT] if engine.models.draft_pool is not None else [])
         for kind in kinds:
@@ -182,10 +186,13 @@ class EngineCanary:
     # ------------------------------------------------------------------ results
 
     def _keep(self, kind: PoolKind, report: WindowReport | None) -> None:
-        """Keep a window with violations, dated by its last step (on CUDA a window comes back a forward late)."""
+        """Keep a window with violations, dated by its last step (on CUDA a window comes back a forward late), and
+        act on its quarantine: the engine stops reusing those cached slots (a bad block is a cache miss)."""
         if report is not None and report.total:
             self.detections.append(Detection(kind, self._global.get((kind, report.last_step), self.forwards),
                                              report.last_step, report))
+            if self.quarantine:
+                self.engine.quarantine(report.quarantine)
 
     def flush(self) -> None:
         """Collect every window still in flight (blocking)."""

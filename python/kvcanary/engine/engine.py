@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     retractions: int = 0
     evicted_slots: int = 0
+    quarantined_slots: int = 0
     spec_rounds: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
@@ -184,6 +186,14 @@ class Engine:
         """Evict every unlocked prefix-cache node."""
         if self.radix is not None:
             self.radix.reset()
+
+    def quarantine(self, slots: Sequence[int]) -> int:
+        """Never reuse cached KV at ``slots`` (a canary report's quarantine): the prefix-cache runs holding them,
+        and everything cached after them, become cache misses and are recomputed; returns the slots freed now."""
+        if self.radix is None or not slots:
+            return 0
+        self.stats.quarantined_slots += len(slots)
+        return self.radix.quarantine({int(s) for s in slots})
 
     def cached_chains(self) -> CachedChains:
         """Vectorized export of the prefix cache for a sweep (empty without a cache)."""
@@ -315,7 +325,7 @@ class Engine:
         state.cached_len = state.kv_len = state.draft_len = limit
         state.pages = self._page_of(match.slots[:limit])
         self.req_to_token.write(state.row, 0, match.slots[:limit])
-        self.radix.lock(match.node)
+        self.radix.lock(match.node, state.rid)
         state.node = match.node
         self.stats.prefix_hit_tokens += limit
 
@@ -364,7 +374,7 @@ class Engine:
         tree_from = state.cached_len // size
         if self.radix is not None and cut > 0:
             slots = self.allocator.page_slots(state.pages[:cut // size])
-            existing, _ = self.radix.insert(self._radix_key(state.tokens, cut), slots)
+            existing, _ = self.radix.insert(self._radix_key(state.tokens, cut), slots, state.rid)
             first_new = max(existing, state.cached_len) // size
             self._free_pages(state.pages[tree_from:first_new])
             inserted = state.pages[first_new:cut // size]
