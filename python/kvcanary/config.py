@@ -188,8 +188,10 @@ class CanaryConfig:
 
     @property
     def sealing(self) -> bool:
-        """True when the HEAD records carry the seal (fingerprints on and ``seal`` set)."""
-        return self.seal and self.fingerprint != FingerprintMode.NONE
+        """True when the HEAD records carry the seal: ``seal`` set, fingerprints on, and the per-forward fingerprint
+        not already every byte of every layer (fingerprint all + layer_coverage all: the seal would repeat it)."""
+        full = self.fingerprint == FingerprintMode.ALL and self.layer_coverage == LayerCoverage.ALL
+        return self.seal and self.fingerprint != FingerprintMode.NONE and not full
 
     def replace(self, **changes: Any) -> CanaryConfig:
         """A copy with some knobs changed (validated again)."""

@@ -72,7 +72,8 @@ def batch_view(batch: ForwardBatch) -> BatchView:
 
 
 def prefix_cache_export(engine: Engine, kind: PoolKind = PoolKind.TARGET) -> PrefixCacheExport | None:
-    """The engine's radix cache as the sweep's chain export (None without a prefix cache).
+    """The engine's radix cache (and, in the target pool, the running requests' uncached KV) as the sweep's chain
+    export (None without a prefix cache).
 
     In the draft pool (token offset 1) a node's last record holds the first token of whichever child wrote it
     first, so links across node boundaries are not content-determined there: the draft export gives non-root
@@ -80,7 +81,8 @@ def prefix_cache_export(engine: Engine, kind: PoolKind = PoolKind.TARGET) -> Pre
     """
     if engine.radix is None:
         return None
-    c = engine.cached_chains()
+    # the target pool's export also holds every running request's KV outside the cache (a sweep reaches it)
+    c = engine.resident_chains() if kind == PoolKind.TARGET else engine.cached_chains()
     prev = c.prev_slots
     if kind == PoolKind.DRAFT:
         prev = torch.where(prev == NO_SLOT, prev, torch.full_like(prev, engine.config.num_slots))
