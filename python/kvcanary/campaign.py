@@ -495,7 +495,7 @@ def run_trial(case: FaultCase, seed: int, device: str = "cpu", backend: str = "t
 
 def _attributed(case: FaultCase, watch: _Watch, v: Violation) -> bool:
     if v.tag.stage == Stage.SWEEP:  # a sweep row names the cached chain (no request holds it)
-        return watch.chain is None or v.batch_index == watch.chain
+        return watch.chain is None or (v.chain.index if v.chain is not None else v.batch_index) == watch.chain
     if v.request_id is None:
         return False
     if case.expect_request is not None and v.request_id != case.expect_request:
