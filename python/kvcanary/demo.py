@@ -79,7 +79,7 @@ def _tags_active(canary: EngineCanary) -> list[str]:
     return [t.name for t in LaunchTag if t.name in runs]
 
 
-def clean_run(seed: int, device: str, backend: str, steps: int, quiet: bool) -> dict[str, Any]:
+def clean_run(seed: int, device: str, backend: str, steps: int, quiet: bool, policy: str = "default") -> dict[str, Any]:
     """The mixed workload with and without kvcanary (same seed, same forwards): violations, overhead, coverage."""
     phases, tags = [], set()
     total = sum(n for *_, n in _CLEAN)
@@ -91,7 +91,7 @@ def clean_run(seed: int, device: str, backend: str, steps: int, quiet: bool) -> 
         result: dict[str, Any] = {}
         for with_canary in (False, True):
             engine = C.build_engine((), spec, device, None, **geometry)
-            canary = EngineCanary(engine, C.canary_config(backend), on_forward=_ticker(bar, finished, label)) \
+            canary = EngineCanary(engine, C.POLICIES[policy](backend), on_forward=_ticker(bar, finished, label)) \
                 if with_canary else None
             t0 = time.perf_counter()
             C.mixed_workload(engine, _rng(seed), n_requests, max_forwards=budget or None)
@@ -149,22 +149,22 @@ def _rng(seed: int) -> Any:
     return random.Random(seed)
 
 
-def fault_campaign(names: str, seed: int, device: str, backend: str, quiet: bool,
-                   attempts: int = 4) -> list[dict[str, Any]]:
+def fault_campaign(names: str, seed: int, device: str, backend: str, quiet: bool, attempts: int = 4,
+                   policy: str = "default") -> list[dict[str, Any]]:
     """One effective trial per fault (seeds from ``seed`` on until the fault damages something); table rows."""
     cases = C.select(names)
     bar = None if quiet or not cases else Progress(len(cases), "faults")
     rows = []
     for i, case in enumerate(cases):
-        trial = C.run_trial(case, seed, device, backend)
+        trial = C.run_trial(case, seed, device, backend, policy)
         for k in range(1, attempts):
             if trial.fired:
                 break
-            trial = C.run_trial(case, seed + k, device, backend)
+            trial = C.run_trial(case, seed + k, device, backend, policy)
         rows.append({
             "fault": case.name, "bug_class": case.bug_class, "needs": case.needs, "check": case.detect,
             "fired": trial.fired, "detected": trial.ok, "tag": trial.tag, "reasons": "+".join(trial.reasons),
-            "first_check": trial.first_check, "forwards_to_detect": trial.forwards_to_detect, "bound": case.bound,
+            "first_check": trial.first_check, "forwards_to_detect": trial.forwards_to_detect, "bound": trial.bound,
             "request": trial.request, "false_positive": trial.false_positive, "seed": trial.seed,
             "seconds": round(trial.seconds, 3)})
         if bar is not None:
@@ -186,11 +186,17 @@ def _cell(v: Any) -> str:
     return "-" if v is None or v == "" else str(v)
 
 
+_POLICY_TEXT = {
+    "default": (f"the CanaryConfig() defaults (partial fingerprint of one rotating layer per verify, the HEAD seal over "
+                f"every byte, reuse check, rolling sweep of {C.default_config().sweep_slice} slots per forward)"),
+    "campaign": (f"fingerprint ALL over every layer, a full sweep every {C.canary_config().sweep_interval} forwards"),
+}
+
+
 def _print_report(out: dict[str, Any], write: Callable[[str], None]) -> None:
     clean = out["clean"]
     write(f"\nkvcanary demo — reference engine on {out['device']}, backend {out['backend']}, LOG mode, "
-          f"fingerprint ALL over every layer, token truth CHAIN, sweep every {C.canary_config().sweep_interval} "
-          "forwards\n")
+          f"{_POLICY_TEXT[out.get('policy', 'default')]}, token truth CHAIN\n")
     write("Clean run (zero violations expected):")
     for p in clean["phases"]:
         write(f"  {p['phase']:<12} {p['requests']} requests, {p['forwards']} forwards "
@@ -244,9 +250,10 @@ def run_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvcanary demo: {exc}", file=sys.stderr)
         return 2
-    out: dict[str, Any] = {"device": device, "backend": backend, "seed": args.seed}
-    out["clean"] = clean_run(int(args.seed), device, backend, int(args.steps), quiet)
-    out["faults"] = fault_campaign(str(args.faults), int(args.seed), device, backend, quiet)
+    policy = str(getattr(args, "policy", "default"))
+    out: dict[str, Any] = {"device": device, "backend": backend, "seed": args.seed, "policy": policy}
+    out["clean"] = clean_run(int(args.seed), device, backend, int(args.steps), quiet, policy)
+    out["faults"] = fault_campaign(str(args.faults), int(args.seed), device, backend, quiet, policy=policy)
     ok = out["clean"]["violations"] == 0 and all(r["detected"] for r in out["faults"])
     if args.disagg:
         cmd = [sys.executable, "-m", "kvcanary.disagg", "--device", "cuda" if device.startswith("cuda") else "cpu",
