@@ -253,7 +253,8 @@ class State:
         self.seal: Fingerprint | None = None
         if sc.fp == "default":  # partial of one rotating layer per verify; the seal: every byte of every layer
             layers = [[SourceSpec(torch.randint(0, 256, (space, FP_ROW_BYTES), dtype=torch.uint8, device=DEV,
-                                                generator=gen)) for _ in range(POLICY_LAYERS)] for _ in range(sc.halves)]
+                                                generator=gen)) for _ in range(POLICY_LAYERS)]
+                      for _ in range(sc.halves)]
             srcs_all = FingerprintSources(layers, space)
             self.fp = Fingerprint(srcs_all, FingerprintMode.PARTIAL, POLICY_LAYERS)
             self.seal = Fingerprint(srcs_all, FingerprintMode.ALL)

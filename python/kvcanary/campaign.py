@@ -554,7 +554,8 @@ class CaseSummary:
 
 
 def run_campaign(cases: Sequence[FaultCase], seeds: Sequence[int], device: str = "cpu", backend: str = "torch",
-                 progress: Callable[[int, int, str], None] | None = None, policy: str = "campaign") -> list[CaseSummary]:
+                 progress: Callable[[int, int, str], None] | None = None,
+                 policy: str = "campaign") -> list[CaseSummary]:
     """Every case under every seed; ``progress(done, total, label)`` after each trial."""
     total, done, out = len(cases) * len(seeds), 0, []
     for case in cases:

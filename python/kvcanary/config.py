@@ -129,7 +129,7 @@ class CanaryConfig:
     # all sources) in the HEAD records; sweeps and the reuse check verify it. Needs fingerprint != none.
     seal: bool = True
     reuse_check: bool = True  # a request's first forward verifies its whole reused prefix against the seal
-    sweep_interval: int = 0  # forwards between full sweeps of the prefix cache; 0 = off (the rolling sweep is the default)
+    sweep_interval: int = 0  # forwards between full sweeps of the prefix cache; 0 = off (the rolling sweep is default)
     sweep_slice: int = DEFAULT_SWEEP_SLICE  # rolling sweep: cached slots verified per forward; 0 = off
     sweep_capacity: int = DEFAULT_SWEEP_CAPACITY
     sweep_unlocked_only: bool = False  # sweep only chains no running request holds (the rest are verified per forward)

@@ -187,8 +187,8 @@ def _cell(v: Any) -> str:
 
 
 _POLICY_TEXT = {
-    "default": (f"the CanaryConfig() defaults (partial fingerprint of one rotating layer per verify, the HEAD seal over "
-                f"every byte, reuse check, rolling sweep of {C.default_config().sweep_slice} slots per forward)"),
+    "default": ("the CanaryConfig() defaults (partial fingerprint of one rotating layer per verify, the HEAD seal "
+                f"over every byte, reuse check, rolling sweep of {C.default_config().sweep_slice} slots per forward)"),
     "campaign": (f"fingerprint ALL over every layer, a full sweep every {C.canary_config().sweep_interval} forwards"),
 }
 

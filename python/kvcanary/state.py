@@ -23,7 +23,6 @@ from kvcanary.config import CanaryConfig, CoveragePolicy, LayerCoverage
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, TokenPool
 
-
 UPLOAD_ROWS = 5  # rows of CanaryState.truth_rows
 
 

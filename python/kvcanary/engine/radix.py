@@ -249,9 +249,9 @@ class RadixCache:
             chain_lens=lens, first_positions=torch.tensor([n.start for n in nodes], dtype=torch.int64),
             prev_slots=torch.tensor(prev, dtype=torch.int64),
             unlocked=torch.tensor([n.lock_ref == 0 for n in nodes], dtype=torch.bool))
-        return CachedChains(*(t.to(device) for t in (
-            chains.slots, chains.chain_starts, chains.chain_lens, chains.first_positions,
-            chains.prev_slots, chains.unlocked)), holders)
+        return CachedChains(chains.slots.to(device), chains.chain_starts.to(device), chains.chain_lens.to(device),
+                            chains.first_positions.to(device), chains.prev_slots.to(device),
+                            chains.unlocked.to(device), holders)
 
 
 _MAX_HOLDERS = 4
