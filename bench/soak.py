@@ -71,6 +71,7 @@ def summarize(records: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, 
     c_sum: dict[str, Any] = {k: sum(r[k] for r in clean) for k in (
         "forwards", "target_forwards", "draft_forwards", "violations", "input_errors", "entries_checked",
         "entries_written", "sweeps", "prefix_hit_tokens", "retractions", "evicted_slots", "chunks")}
+    c_sum["sweep_slices"] = sum(r.get("sweep_slices", 0) for r in clean)
     c_sum["workloads"] = len(clean)
     c_sum["workloads_with_draft"] = sum(r["draft_forwards"] > 0 for r in clean)
     c_sum["seconds"] = round(sum(r["seconds"] for r in clean), 1)
@@ -115,7 +116,8 @@ def markdown(s: dict[str, Any]) -> str:
              f"({s['workers']} workers; fault trials share the wall time when run)",
              f"- violations: **{c['violations']}**, input errors: {c['input_errors']}, engine errors: "
              f"{len(c['engine_errors'])}",
-             f"- records checked {c['entries_checked']}, written {c['entries_written']}, sweeps {c['sweeps']}",
+             f"- records checked {c['entries_checked']}, written {c['entries_written']}, sweeps {c['sweeps']} full + "
+             f"{c.get('sweep_slices', 0)} rolling slices",
              f"- prefix-hit tokens {c['prefix_hit_tokens']}, retractions {c['retractions']}, evicted slots "
              f"{c['evicted_slots']}, prefill chunks {c['chunks']}", "",
              "## Fault trials", "",

@@ -584,6 +584,7 @@ class CleanResult:
     entries_checked: int = 0
     entries_written: int = 0
     sweeps: int = 0
+    sweep_slices: int = 0
     prefix_hit_tokens: int = 0
     retractions: int = 0
     evicted_slots: int = 0
@@ -641,6 +642,7 @@ def run_clean(seed: int, num_requests: int, device: str = "cpu", backend: str = 
     res.entries_checked = int(sum(m.metrics.counters["entries_checked"] for m in ms))
     res.entries_written = int(sum(m.metrics.counters["entries_written"] for m in ms))
     res.sweeps = sum(m.sweeps_completed for m in ms)
+    res.sweep_slices = sum(m.sweeper.slices for m in ms)
     res.coverage = can.target.metrics.gauges["coverage"]
     return res
 

@@ -111,6 +111,7 @@ def clean_run(seed: int, device: str, backend: str, steps: int, quiet: bool, pol
                     "records_checked": int(sum(m.metrics.counters["entries_checked"] for m in ms)),
                     "records_written": int(sum(m.metrics.counters["entries_written"] for m in ms)),
                     "sweeps": sum(m.sweeps_completed for m in ms),
+                    "sweep_slices": sum(m.sweeper.slices for m in ms),
                     "coverage": round(canary.target.metrics.gauges["coverage"], 4),
                     "groups": [g.spec.group.name for g in canary.target.state.groups],
                     "seconds_in_canary": round(canary.seconds, 3),
@@ -203,7 +204,8 @@ def _print_report(out: dict[str, Any], write: Callable[[str], None]) -> None:
               f"({p['target_forwards']} target + {p['draft_forwards']} draft), prefix hits {p['prefix_hit_tokens']} "
               f"tokens, {p['retractions']} retractions, {p['evicted_slots']} evicted slots, {p['chunks']} chunks")
         write(f"  {'':<12} violations {p['violations']}, input errors {p['input_errors']}, records checked "
-              f"{p['records_checked']}, written {p['records_written']}, sweeps {p['sweeps']}, coverage "
+              f"{p['records_checked']}, written {p['records_written']}, sweeps {p['sweeps']} full + "
+              f"{p.get('sweep_slices', 0)} rolling slices, coverage "
               f"{p['coverage']:.3f}, groups {'+'.join(p['groups'])}")
         write(f"  {'':<12} overhead: {p['canary_ms_per_forward']:.2f} ms per forward inside the canary = "
               f"{p['canary_pct_of_engine']:.0f}% of the engine's own time; wall {p['seconds_plain']:.2f}s without / "

@@ -659,6 +659,7 @@ class CanaryManager:
         self.health.expected, self.health.expected_forwards = saved, saved_fw
         self.metrics.counters["forwards"] = self.forwards
         self.metrics.counters["sweeps_completed"] = self.sweeper.completed
+        self.metrics.counters["sweep_slices"] = self.sweeper.slices
         self.metrics.counters["health_problems"] += len(problems)
         self.metrics.counters["perturbations"] = len(self.perturber.events)
         self.metrics.gauges["coverage"] = self.health.coverage.fraction()

@@ -66,6 +66,7 @@ class Sweeper:
         self.completed = 0
         self.chains_last = 0
         self.cursor = 0  # rolling sweep: first table slot id of the next slice
+        self.slices = 0  # rolling-sweep slices launched
         width = state.config.sweep_slice
         self.window = torch.arange(width, dtype=torch.int64, device=state.device)
 
@@ -121,6 +122,7 @@ class Sweeper:
                    export.first_positions[chain] + off, prev, backend=self.backend)
         self._verify(sl)
         self.launched += 1
+        self.slices += 1
         return SweepSlice(export, chain)
 
     def _verify(self, slots: torch.Tensor) -> None:
