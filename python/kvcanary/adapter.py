@@ -178,7 +178,8 @@ class PrefixCacheExport:
 
     Chain c covers ``slots[starts[c] : starts[c] + lens[c]]`` at positions ``first_positions[c] + i``;
     ``prev_slots[c]`` is the slot before its first (NO_SLOT = chain head); ``unlocked[c]`` is True when no
-    running request holds it; ``expect_end[c]`` (optional) is the true chain value after its last token.
+    running request holds it; ``expect_end[c]`` (optional) is the true chain value after its last token;
+    ``holders[c]`` (optional, host) names the requests that last held the chain, for sweep reports.
     """
 
     slots: torch.Tensor  # int64 [N]
@@ -188,6 +189,7 @@ class PrefixCacheExport:
     prev_slots: torch.Tensor  # int64 [n]
     unlocked: torch.Tensor | None = None  # bool [n]
     expect_end: torch.Tensor | None = None  # int64 [n]
+    holders: Sequence[tuple[Hashable, ...]] | None = None  # [n], host
 
     @property
     def num_chains(self) -> int:
@@ -204,6 +206,8 @@ class PrefixCacheExport:
             check_tensor(self.unlocked, "export.unlocked", dtype=torch.bool, ndim=1, device=device, shape=(n,))
         if self.expect_end is not None:
             check_tensor(self.expect_end, "export.expect_end", ndim=1, device=device, shape=(n,))
+        if self.holders is not None and len(self.holders) != n:
+            raise CanaryInputError(f"export.holders has {len(self.holders)} entries for {n} chains")
 
 
 TransferBuffer = tuple[str, torch.Tensor]  # (name, tensor whose dim 0 indexes table-space/group slots)

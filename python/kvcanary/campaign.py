@@ -13,6 +13,7 @@ from kvcanary_schema import FailReason, FingerprintMode, Stage
 
 from kvcanary.config import CanaryConfig, CanaryMode, LayerCoverage, PerturbConfig, PerturbMode
 from kvcanary.engine import (
+    IDLE_VICTIM,
     Engine,
     EngineConfig,
     EngineHooks,
@@ -176,6 +177,14 @@ ENGINE_CASES: tuple[FaultCase, ...] = (
               engine_fault="resume_prompt_only_lookup",
               engine=(("chunk_size", 4), ("spec_num_draft", 2), ("enable_prefix_cache", False)), spec=True,
               expect_request="r0", bound=0),
+    # bit rot at rest (issue 14): a single flipped mantissa bit anywhere in a cached slot's K/V rows
+    FaultCase("cached_kv_flip_reused", "#13 V of the last layer of a cached prefix slot bit-flipped, then reused",
+              "two_turns", "fingerprint (all layers, all bytes: the seal / fingerprint all)", _PER_FORWARD,
+              (Stage.TAIL,), _R.VERIFY_FINGERPRINT, engine_fault="cached_kv_flip_reused", expect_request="a2",
+              bound=0),
+    FaultCase("cached_kv_flip_idle", "#13 bit flip in an idle cached prefix (any layer, K or V)", "two_turns",
+              "fingerprint (all layers, all bytes), sweep", _SWEEP, (Stage.SWEEP,), _R.VERIFY_FINGERPRINT,
+              engine_fault="cached_kv_flip_idle", bound=_SWEEP_INTERVAL),
 )
 
 
@@ -224,11 +233,31 @@ def select(names: str) -> list[FaultCase]:
 # ---------------------------------------------------------------------------------------------- trials
 
 def canary_config(backend: str = "torch", **changes: Any) -> CanaryConfig:
-    """The campaign's canary: LOG mode, fingerprints of every layer, token truth, a short sweep interval."""
+    """The campaign's canary: LOG mode, fingerprints of every layer, token truth, a short full-sweep interval."""
     base = CanaryConfig(mode=CanaryMode.LOG, fingerprint=FingerprintMode.ALL, layer_coverage=LayerCoverage.ALL,
-                        sweep_interval=_SWEEP_INTERVAL, backend=backend, stats_interval=0, req_capacity=64,
-                        token_capacity=1024, log_rate_limit=0)
+                        sweep_interval=_SWEEP_INTERVAL, sweep_slice=0, backend=backend, stats_interval=0,
+                        req_capacity=64, token_capacity=1024, log_rate_limit=0)
     return base.replace(**changes) if changes else base
+
+
+def default_config(backend: str = "torch", **changes: Any) -> CanaryConfig:
+    """``CanaryConfig()``'s detection policy (docs/defaults.md) with the campaign's housekeeping: LOG mode, no stats
+    lines, capacities sized for the small engine, every violation logged."""
+    base = CanaryConfig(mode=CanaryMode.LOG, backend=backend, stats_interval=0, req_capacity=64, token_capacity=1024,
+                        log_rate_limit=0)
+    return base.replace(**changes) if changes else base
+
+
+POLICIES: dict[str, Callable[..., CanaryConfig]] = {"campaign": canary_config, "default": default_config}
+
+
+def sweep_bound(config: CanaryConfig, num_slots: int) -> int:
+    """Forwards of a pool within which a sweep verifies an idle cached slot: the full sweep's interval, or the
+    rolling sweep's ``ceil(num_slots / sweep_slice)`` (the smaller where both run)."""
+    bounds = [config.sweep_interval] if config.sweep_interval else []
+    if config.sweep_slice:
+        bounds.append(-(-num_slots // config.sweep_slice))
+    return min(bounds, default=-1)
 
 
 def build_engine(case_engine: Sequence[tuple[str, Any]] = (), spec: bool = False, device: str = "cpu",
@@ -262,6 +291,7 @@ class TrialResult:
     reason_ok: bool = False
     request_ok: bool = False
     within_bound: bool = False
+    bound: int = 0
     forwards: int = 0
     seconds: float = 0.0
 
@@ -413,10 +443,11 @@ def _matches(case: FaultCase, v: Violation) -> bool:
     return v.tag.stage in case.stages and bool(int(v.reasons) & int(case.reasons))
 
 
-def run_trial(case: FaultCase, seed: int, device: str = "cpu", backend: str = "torch",
+def run_trial(case: FaultCase, seed: int, device: str = "cpu", backend: str = "torch", policy: str = "campaign",
               **canary_changes: Any) -> TrialResult:
     """Run ``case`` once with ``seed`` (workload, fault and perturbation draws) and judge the canary's report;
-    ``canary_changes`` override knobs of :func:`canary_config` (e.g. token_truth=OFF to show what truth buys)."""
+    ``policy`` picks the base configuration (:data:`POLICIES`: the campaign's or ``CanaryConfig()``'s defaults) and
+    ``canary_changes`` override its knobs (e.g. token_truth=OFF to show what truth buys)."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
     probs: dict[str, Any] = {case.engine_fault: 1.0} if case.engine_fault else {}
@@ -424,18 +455,21 @@ def run_trial(case: FaultCase, seed: int, device: str = "cpu", backend: str = "t
     engine = build_engine(case.engine, case.spec, device, faults)
     perturb = PerturbConfig({case.perturb: 1.0}, warmup_steps=3, seed=seed) if case.perturb else PerturbConfig()
     watch = _Watch(case)
-    canary = EngineCanary(engine, canary_config(backend, perturb=perturb, **canary_changes), on_forward=watch)
+    config = POLICIES[policy](backend, perturb=perturb, **canary_changes)
+    canary = EngineCanary(engine, config, on_forward=watch)
     oracle = BookkeepingOracle(engine)
     engine.hooks = _Tee(oracle, canary)
     WORKLOADS[case.workload](engine, rng)
     canary.flush()
     fire = watch.fire_forward(oracle.first_forward if case.engine_fault else 0)
+    bound = sweep_bound(config, engine.config.num_slots) if case.detect == _SWEEP else case.bound
     res = TrialResult(case.name, seed, fired=fire > 0, detected=False, false_positive=False,
-                      forwards=canary.forwards, fire_forward=fire)
+                      forwards=canary.forwards, fire_forward=fire, bound=bound)
     res.seconds = time.perf_counter() - t0
-    if res.fired and case.engine_fault is not None and not oracle.victims:
+    victims = set(engine.faults.kv_victims) or oracle.victims  # real-KV faults name their victims themselves
+    if res.fired and case.engine_fault is not None and not victims:
         res.fired, res.no_effect = False, True
-    watch.requests = oracle.victims
+    watch.requests = victims - {IDLE_VICTIM}
     if not res.fired:
         res.false_positive = canary.total > 0
         return res
@@ -459,13 +493,13 @@ def run_trial(case: FaultCase, seed: int, device: str = "cpu", backend: str = "t
     res.request = None if v.request_id is None else str(v.request_id)
     res.stage_ok = res.reason_ok = res.request_ok = True
     res.forwards_to_detect = _latency(canary, case, d.pool, v.request_id, fire, d.forward)
-    res.within_bound = 0 <= res.forwards_to_detect <= case.bound
+    res.within_bound = 0 <= res.forwards_to_detect <= bound
     return res
 
 
 def _attributed(case: FaultCase, watch: _Watch, v: Violation) -> bool:
     if v.tag.stage == Stage.SWEEP:  # a sweep row names the cached chain (no request holds it)
-        return watch.chain is None or v.batch_index == watch.chain
+        return watch.chain is None or (v.chain.index if v.chain is not None else v.batch_index) == watch.chain
     if case.on_padding:
         return v.request_id is None
     if v.request_id is None:
@@ -520,18 +554,20 @@ class CaseSummary:
                 "detected": self.detected, "false_positives": sum(r.false_positive for r in self.trials),
                 "tag": first.tag if first else "", "reasons": "+".join(first.reasons) if first else "",
                 "request": first.request if first else None,
-                "forwards_to_detect_max": max(lat) if lat else None, "bound": self.case.bound,
+                "forwards_to_detect_max": max(lat) if lat else None,
+                "bound": max((r.bound for r in self.trials), default=self.case.bound),
                 "ok": bool(fired) and self.detected == len(fired) and len(fired) == len(self.trials)}
 
 
 def run_campaign(cases: Sequence[FaultCase], seeds: Sequence[int], device: str = "cpu", backend: str = "torch",
-                 progress: Callable[[int, int, str], None] | None = None) -> list[CaseSummary]:
+                 progress: Callable[[int, int, str], None] | None = None,
+                 policy: str = "campaign") -> list[CaseSummary]:
     """Every case under every seed; ``progress(done, total, label)`` after each trial."""
     total, done, out = len(cases) * len(seeds), 0, []
     for case in cases:
         trials = []
         for seed in seeds:
-            trials.append(run_trial(case, seed, device, backend))
+            trials.append(run_trial(case, seed, device, backend, policy))
             done += 1
             if progress is not None:
                 progress(done, total, case.name)
@@ -554,6 +590,7 @@ class CleanResult:
     entries_checked: int = 0
     entries_written: int = 0
     sweeps: int = 0
+    sweep_slices: int = 0
     prefix_hit_tokens: int = 0
     retractions: int = 0
     evicted_slots: int = 0
@@ -611,6 +648,7 @@ def run_clean(seed: int, num_requests: int, device: str = "cpu", backend: str = 
     res.entries_checked = int(sum(m.metrics.counters["entries_checked"] for m in ms))
     res.entries_written = int(sum(m.metrics.counters["entries_written"] for m in ms))
     res.sweeps = sum(m.sweeps_completed for m in ms)
+    res.sweep_slices = sum(m.sweeper.slices for m in ms)
     res.coverage = can.target.metrics.gauges["coverage"]
     return res
 

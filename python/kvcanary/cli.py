@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--faults", default="all", help="comma-separated fault names, or 'all' / 'none'")
     demo.add_argument("--steps", type=int, default=0, help="clean-run forwards (0 = the default workload)")
+    demo.add_argument("--policy", default="default", choices=["default", "campaign"],
+                      help="detection policy: CanaryConfig() defaults, or the campaign's (fingerprint all, "
+                           "full sweeps)")
     demo.add_argument("--disagg", action="store_true", help="run prefill and decode as two processes")
     demo.add_argument("--json", action="store_true", help="machine-readable output")
     demo.set_defaults(func=_cmd_demo)

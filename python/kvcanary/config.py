@@ -15,7 +15,7 @@ from kvcanary_schema import (
     DEFAULT_RING_CAPACITY,
     DEFAULT_STATS_INTERVAL,
     DEFAULT_SWEEP_CAPACITY,
-    DEFAULT_SWEEP_INTERVAL,
+    DEFAULT_SWEEP_SLICE,
     FingerprintMode,
     TokenTruth,
 )
@@ -48,11 +48,13 @@ class CanaryMode(enum.StrEnum):
 
 
 class LayerCoverage(enum.StrEnum):
-    """Which fingerprint sources (layers) are hashed: the first, all, or every ``layer_stride``-th."""
+    """Which fingerprint sources (layers) are hashed: the first, all, every ``layer_stride``-th, or exactly one
+    per position, rotating with it (ROTATE: source j at position p iff (j + p) % num_sources == 0)."""
 
     FIRST = "first"
     ALL = "all"
     SAMPLE = "sample"
+    ROTATE = "rotate"
 
 
 class CoveragePolicy(enum.StrEnum):
@@ -109,8 +111,12 @@ class CanaryConfig:
     """Every knob of the runtime. Invalid values raise CanaryInputError naming the knob."""
 
     mode: CanaryMode = CanaryMode.LOG
-    fingerprint: FingerprintMode = FingerprintMode.NONE
-    layer_coverage: LayerCoverage = LayerCoverage.FIRST
+    # The default policy (docs/defaults.md): every verify fingerprints 16 bytes of one layer per slot and half, the
+    # layer rotating with the position; the HEAD records carry a seal (every byte of every layer); a request's
+    # reused prefix is checked against the seal in its first forward; a rolling sweep checks ``sweep_slice``
+    # cached slots per forward against both.
+    fingerprint: FingerprintMode = FingerprintMode.PARTIAL
+    layer_coverage: LayerCoverage = LayerCoverage.ROTATE
     layer_stride: int = DEFAULT_FP_LAYER_STRIDE  # used by LayerCoverage.SAMPLE
     coverage: CoveragePolicy = CoveragePolicy.FULL
     # WINDOW policy: the newest ``window_links`` prefix links every forward plus a rotating stripe of
@@ -119,7 +125,12 @@ class CanaryConfig:
     # prefix does not grow); idle cached slots are the sweep's (sweep_interval forwards).
     stripe_size: int = 256
     window_links: int = 1
-    sweep_interval: int = DEFAULT_SWEEP_INTERVAL  # forwards between sweeps; 0 = off
+    # seal: the HEAD write moves after the forward and stores a fingerprint of every byte of every layer (ALL mode,
+    # all sources) in the HEAD records; sweeps and the reuse check verify it. Needs fingerprint != none.
+    seal: bool = True
+    reuse_check: bool = True  # a request's first forward verifies its whole reused prefix against the seal
+    sweep_interval: int = 0  # forwards between full sweeps of the prefix cache; 0 = off (the rolling sweep is default)
+    sweep_slice: int = DEFAULT_SWEEP_SLICE  # rolling sweep: cached slots verified per forward; 0 = off
     sweep_capacity: int = DEFAULT_SWEEP_CAPACITY
     sweep_unlocked_only: bool = False  # sweep only chains no running request holds (the rest are verified per forward)
     token_truth: TokenTruth = TokenTruth.CHAIN
@@ -148,12 +159,15 @@ class CanaryConfig:
         if not isinstance(self.token_truth, TokenTruth):
             _coerce_named(self, "token_truth", TokenTruth)
         for knob, low in (("layer_stride", 1), ("stripe_size", 1), ("window_links", 1), ("sweep_interval", 0),
-                          ("sweep_capacity", 1), ("ring_capacity", 1), ("report_interval", 1),
+                          ("sweep_slice", 0), ("sweep_capacity", 1), ("ring_capacity", 1), ("report_interval", 1),
                           ("stats_interval", 0), ("log_rate_limit", 0), ("req_capacity", 1),
                           ("token_capacity", 1)):
             value = getattr(self, knob)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise CanaryInputError(f"CanaryConfig.{knob} must be an int >= {low}, got {value!r}")
+        if self.sweep_slice > self.sweep_capacity:
+            raise CanaryInputError(f"CanaryConfig.sweep_slice ({self.sweep_slice}) must be <= sweep_capacity "
+                                   f"({self.sweep_capacity})")
         if self.backend not in ("auto", "torch", "cpu", "cuda"):
             raise CanaryInputError(f"CanaryConfig.backend must be auto/torch/cpu/cuda, got {self.backend!r}")
         if self.mode == CanaryMode.NONE and self.perturb.enabled:
@@ -173,7 +187,16 @@ class CanaryConfig:
             return 1
         if self.layer_coverage == LayerCoverage.SAMPLE:
             return self.layer_stride
+        if self.layer_coverage == LayerCoverage.ROTATE:
+            return num_sources
         return 1  # FIRST: the manager hands only source 0
+
+    @property
+    def sealing(self) -> bool:
+        """True when the HEAD records carry the seal: ``seal`` set, fingerprints on, and the per-forward fingerprint
+        not already every byte of every layer (fingerprint all + layer_coverage all: the seal would repeat it)."""
+        full = self.fingerprint == FingerprintMode.ALL and self.layer_coverage == LayerCoverage.ALL
+        return self.seal and self.fingerprint != FingerprintMode.NONE and not full
 
     def replace(self, **changes: Any) -> CanaryConfig:
         """A copy with some knobs changed (validated again)."""
@@ -206,9 +229,11 @@ class CanaryConfig:
         return cls(**kwargs)
 
 
-_INT_KNOBS = {"layer_stride", "stripe_size", "window_links", "sweep_interval", "sweep_capacity", "ring_capacity",
+_INT_KNOBS = {"layer_stride", "stripe_size", "window_links", "sweep_interval", "sweep_slice", "sweep_capacity",
+              "ring_capacity",
               "report_interval", "stats_interval", "log_rate_limit", "req_capacity", "token_capacity"}
-_BOOL_KNOBS = {"input_asserts", "chain_position_assert", "structural_check", "watchdog", "sweep_unlocked_only"}
+_BOOL_KNOBS = {"input_asserts", "chain_position_assert", "structural_check", "watchdog", "sweep_unlocked_only", "seal",
+               "reuse_check"}
 
 
 def _parse(name: str, raw: str, cls: type[CanaryConfig]) -> Any:

@@ -71,7 +71,7 @@ def _tags_active(canary: EngineCanary) -> list[str]:
     return [t.name for t in LaunchTag if t.name in runs]
 
 
-def clean_run(seed: int, device: str, backend: str, steps: int, quiet: bool) -> dict[str, Any]:
+def clean_run(seed: int, device: str, backend: str, steps: int, quiet: bool, policy: str = "default") -> dict[str, Any]:
     """The mixed workload with and without kvcanary (same seed, same forwards): violations, overhead, coverage."""
     phases, tags = [], set()
     total = sum(n for *_, n in _CLEAN)
@@ -83,7 +83,7 @@ def clean_run(seed: int, device: str, backend: str, steps: int, quiet: bool) -> 
         result: dict[str, Any] = {}
         for with_canary in (False, True):
             engine = C.build_engine((), spec, device, None, **geometry)
-            canary = EngineCanary(engine, C.canary_config(backend), on_forward=_ticker(bar, finished, label)) \
+            canary = EngineCanary(engine, C.POLICIES[policy](backend), on_forward=_ticker(bar, finished, label)) \
                 if with_canary else None
             t0 = time.perf_counter()
             C.mixed_workload(engine, _rng(seed), n_requests, max_forwards=budget or None)
@@ -103,6 +103,7 @@ def clean_run(seed: int, device: str, backend: str, steps: int, quiet: bool) -> 
                     "records_checked": int(sum(m.metrics.counters["entries_checked"] for m in ms)),
                     "records_written": int(sum(m.metrics.counters["entries_written"] for m in ms)),
                     "sweeps": sum(m.sweeps_completed for m in ms),
+                    "sweep_slices": sum(m.sweeper.slices for m in ms),
                     "coverage": round(canary.target.metrics.gauges["coverage"], 4),
                     "groups": [g.spec.group.name for g in canary.target.state.groups],
                     "seconds_in_canary": round(canary.seconds, 3),
@@ -141,22 +142,22 @@ def _rng(seed: int) -> Any:
     return random.Random(seed)
 
 
-def fault_campaign(names: str, seed: int, device: str, backend: str, quiet: bool,
-                   attempts: int = 4) -> list[dict[str, Any]]:
+def fault_campaign(names: str, seed: int, device: str, backend: str, quiet: bool, attempts: int = 4,
+                   policy: str = "default") -> list[dict[str, Any]]:
     """One effective trial per fault (seeds from ``seed`` on until the fault damages something); table rows."""
     cases = C.select(names)
     bar = None if quiet or not cases else Progress(len(cases), "faults")
     rows = []
     for i, case in enumerate(cases):
-        trial = C.run_trial(case, seed, device, backend)
+        trial = C.run_trial(case, seed, device, backend, policy)
         for k in range(1, attempts):
             if trial.fired:
                 break
-            trial = C.run_trial(case, seed + k, device, backend)
+            trial = C.run_trial(case, seed + k, device, backend, policy)
         rows.append({
             "fault": case.name, "bug_class": case.bug_class, "needs": case.needs, "check": case.detect,
             "fired": trial.fired, "detected": trial.ok, "tag": trial.tag, "reasons": "+".join(trial.reasons),
-            "first_check": trial.first_check, "forwards_to_detect": trial.forwards_to_detect, "bound": case.bound,
+            "first_check": trial.first_check, "forwards_to_detect": trial.forwards_to_detect, "bound": trial.bound,
             "request": trial.request, "false_positive": trial.false_positive, "seed": trial.seed,
             "seconds": round(trial.seconds, 3)})
         if bar is not None:
@@ -178,18 +179,25 @@ def _cell(v: Any) -> str:
     return "-" if v is None or v == "" else str(v)
 
 
+_POLICY_TEXT = {
+    "default": ("the CanaryConfig() defaults (partial fingerprint of one rotating layer per verify, the HEAD seal "
+                f"over every byte, reuse check, rolling sweep of {C.default_config().sweep_slice} slots per forward)"),
+    "campaign": (f"fingerprint ALL over every layer, a full sweep every {C.canary_config().sweep_interval} forwards"),
+}
+
+
 def _print_report(out: dict[str, Any], write: Callable[[str], None]) -> None:
     clean = out["clean"]
     write(f"\nkvcanary demo — reference engine on {out['device']}, backend {out['backend']}, LOG mode, "
-          f"fingerprint ALL over every layer, token truth CHAIN, sweep every {C.canary_config().sweep_interval} "
-          "forwards\n")
+          f"{_POLICY_TEXT[out.get('policy', 'default')]}, token truth CHAIN\n")
     write("Clean run (zero violations expected):")
     for p in clean["phases"]:
         write(f"  {p['phase']:<12} {p['requests']} requests, {p['forwards']} forwards "
               f"({p['target_forwards']} target + {p['draft_forwards']} draft), prefix hits {p['prefix_hit_tokens']} "
               f"tokens, {p['retractions']} retractions, {p['evicted_slots']} evicted slots, {p['chunks']} chunks")
         write(f"  {'':<12} violations {p['violations']}, input errors {p['input_errors']}, records checked "
-              f"{p['records_checked']}, written {p['records_written']}, sweeps {p['sweeps']}, coverage "
+              f"{p['records_checked']}, written {p['records_written']}, sweeps {p['sweeps']} full + "
+              f"{p.get('sweep_slices', 0)} rolling slices, coverage "
               f"{p['coverage']:.3f}, groups {'+'.join(p['groups'])}")
         write(f"  {'':<12} overhead: {p['canary_ms_per_forward']:.2f} ms per forward inside the canary = "
               f"{p['canary_pct_of_engine']:.0f}% of the engine's own time; wall {p['seconds_plain']:.2f}s without / "
@@ -236,9 +244,10 @@ def run_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvcanary demo: {exc}", file=sys.stderr)
         return 2
-    out: dict[str, Any] = {"device": device, "backend": backend, "seed": args.seed}
-    out["clean"] = clean_run(int(args.seed), device, backend, int(args.steps), quiet)
-    out["faults"] = fault_campaign(str(args.faults), int(args.seed), device, backend, quiet)
+    policy = str(getattr(args, "policy", "default"))
+    out: dict[str, Any] = {"device": device, "backend": backend, "seed": args.seed, "policy": policy}
+    out["clean"] = clean_run(int(args.seed), device, backend, int(args.steps), quiet, policy)
+    out["faults"] = fault_campaign(str(args.faults), int(args.seed), device, backend, quiet, policy=policy)
     ok = out["clean"]["violations"] == 0 and all(r["detected"] for r in out["faults"])
     if args.disagg:
         cmd = [sys.executable, "-m", "kvcanary.disagg", "--device", "cuda" if device.startswith("cuda") else "cpu",

@@ -17,6 +17,7 @@ from kvcanary_schema import (
     NUM_PLAN_STATUS_COLS,
     NUM_VIOLATION_COLS,
     CounterCol,
+    FailReason,
     Group,
     Half,
     LaunchTag,
@@ -46,11 +47,12 @@ from kvcanary.report import (
     Metrics,
     ReportSink,
     StepBatch,
+    Violation,
     WindowReport,
     decode_rows,
 )
 from kvcanary.state import CanaryState, GroupState
-from kvcanary.sweep import Sweeper
+from kvcanary.sweep import Sweeper, SweepSlice, filter_export
 from kvcanary.truth import ChainHasher
 
 logger = logging.getLogger("kvcanary")
@@ -140,6 +142,7 @@ class CanaryManager:
         self._table: torch.Tensor | None = None
         self._captured: set[tuple[int, int, int]] = set()
         self._step_batches: dict[int, StepBatch] = {}
+        self._sweep_slices: dict[int, SweepSlice] = {}  # step -> what its sweep verified (names the chains)
         self._pool_rows: dict[Hashable, tuple[int, int]] = {}  # POOL truth: request -> (row, tokens uploaded)
         self._cursor: dict[Hashable, tuple[int, int]] = {}  # WINDOW policy: request -> (cursor, pass end)
         self._last_seen: dict[Hashable, int] = {}
@@ -189,8 +192,8 @@ class CanaryManager:
         step = self.forwards + 1
         sweep_due = self._sweep_due(step)
         if kind != ForwardKind.CAPTURE:
-            self.perturber.before_forward(batch, step, self._export() if sweep_due and self.perturber.wants_export()
-                                          else None)
+            wants = (sweep_due or self._rolling) and self.perturber.wants_export()
+            self.perturber.before_forward(batch, step, self._export() if wants else None)
         self._upload(batch, kind)
         bs, nt = batch.batch_size, batch.num_tokens
         st.req_pool_indices[:bs].copy_(batch.req_pool_indices, non_blocking=True)
@@ -221,7 +224,8 @@ class CanaryManager:
         for gi, g in enumerate(st.groups):
             self._plan(g)
             self._verify(g, Stage.HEAD)
-            self._write(g, Stage.HEAD)
+            if g.seal is None:  # sealed HEAD records are written after the forward, with the seal
+                self._write(g, Stage.HEAD)
             torch.maximum(st.window_status[gi], g.status, out=st.window_status[gi])
         self._phase = _Phase.PRE
 
@@ -233,6 +237,11 @@ class CanaryManager:
             raise CanaryBracketError(f"post_forward without pre_forward (phase {self._phase.name})")
         st = self.state
         for g in st.groups:
+            if g.seal is not None:
+                self._write(g, Stage.HEAD)
+            if g.reuse_plan is not None and g.reuse_status is not None:
+                verify(g.head, Stage.TAIL, g.reuse_plan, g.reuse_status, self._slot_table(), st.sink,
+                       fingerprint=g.seal, backend=self.backend)
             self._verify(g, Stage.TAIL)
             self._write(g, Stage.TAIL)
         st.post_tick.add_(1)
@@ -258,6 +267,8 @@ class CanaryManager:
         self.perturber.after_forward(self._batch, self.forwards)
         if self._sweep_due(self.forwards):
             self.sweep()
+        elif self._rolling:
+            self._roll()
         self._prune(self.forwards)
         if self.forwards % self.config.report_interval == 0:
             self._stage()
@@ -289,10 +300,8 @@ class CanaryManager:
         export = export if export is not None else self._export()
         if export is None:
             return False
-        chunks = self.sweeper.run(export)
-        for g in self.state.groups:
-            for h in range(g.spec.halves):
-                self.health.expect(int(LaunchTag.of(Stage.SWEEP, Half(h), g.spec.group)), chunks, 0)
+        self._expect_sweep(self.sweeper.run(export))
+        self._sweep_slices[self.forwards] = SweepSlice(filter_export(export, self.sweeper.unlocked_only))
         self._sweeps_staged += 1
         return True
 
@@ -370,6 +379,9 @@ class CanaryManager:
                          st.zeros[:bs], self._slot_table(), nt, window=cfg.stripe_size,
                          padding_row=self.pool.padding_row,
                          backend=self.backend)
+        if g.reuse_plan is not None and g.reuse_status is not None:  # [0, reuse_end): the whole reused prefix
+            plan_forward(g.reuse_plan, g.reuse_status, st.req_pool_indices[:bs], st.reuse_end[:bs], st.zeros[:bs],
+                         self._slot_table(), nt, window=0, padding_row=self.pool.padding_row, backend=self.backend)
 
     def _verify(self, g: GroupState, stage: Stage) -> None:
         st = self.state
@@ -385,7 +397,7 @@ class CanaryManager:
         checks = self._checks | (self._structural if stage == Stage.HEAD and g is st.groups[0] else 0)
         write(g.views(stage), stage, g.plan, g.status, self._slot_table(), st.input_ids[:nt], st.positions[:nt],
               st.out_cache_loc[:nt], st.sink, checks=checks, token_pool=st.token_pool,
-              fingerprint=g.fingerprint if stage == Stage.TAIL else None, backend=self.backend)
+              fingerprint=g.fingerprint if stage == Stage.TAIL else g.seal, backend=self.backend)
 
     def _launches_per_forward(self) -> torch.Tensor:
         """[NUM_LAUNCH_TAGS, 2]: (verify, write) launches one forward makes per tag."""
@@ -393,11 +405,31 @@ class CanaryManager:
         for g in self.state.groups:
             verifies = 2 if g.stripe_plan is not None else 1
             for stage in (Stage.HEAD, Stage.TAIL):
+                reuse = int(stage == Stage.TAIL and g.reuse_plan is not None)
                 for h in range(g.spec.halves):
-                    out[int(LaunchTag.of(stage, Half(h), g.spec.group))] += torch.tensor([verifies, 1])
+                    out[int(LaunchTag.of(stage, Half(h), g.spec.group))] += torch.tensor([verifies + reuse, 1])
         return out
 
     # ------------------------------------------------------------------ host parts
+
+    @property
+    def _rolling(self) -> bool:
+        return bool(self.config.sweep_slice) and self.prefix_cache is not None
+
+    def _roll(self) -> None:
+        """The rolling sweep's slice of this forward (eager, after the forward)."""
+        export = self._export()
+        sl = self.sweeper.roll(export) if export is not None else None
+        if sl is not None:
+            self._expect_sweep(1)
+            self._sweep_slices[self.forwards] = sl
+
+    def _expect_sweep(self, chunks: int) -> None:
+        """Tell the watchdog about ``chunks`` sweep plans verified (TAIL, plus HEAD where sealed)."""
+        for g in self.state.groups:
+            for h in range(g.spec.halves):
+                runs = chunks * (2 if g.seal is not None else 1)
+                self.health.expect(int(LaunchTag.of(Stage.SWEEP, Half(h), g.spec.group)), runs, 0)
 
     def _sweep_due(self, step: int) -> bool:
         iv = self.config.sweep_interval
@@ -415,13 +447,15 @@ class CanaryManager:
             self.hasher = ChainHasher(offset)
         stripe = cfg.coverage == CoveragePolicy.WINDOW
         chain = truth is not None and cfg.token_truth == TokenTruth.CHAIN
-        rows: list[list[int]] = [[0] * bs, [0] * bs, [_KEEP_ALL] * bs, [0] * bs]
+        rows: list[list[int]] = [[0] * bs, [0] * bs, [_KEEP_ALL] * bs, [0] * bs, [0] * bs]
         pool_req: list[tuple[int, int, int, Sequence[int]]] = []
         for i in range(bs):
             rid, row = batch.request_ids[i], batch.req_pool_indices_host[i]
             pre, ext = batch.prefix_lens_host[i], batch.extend_lens_host[i]
             if rid is None or row == self.pool.padding_row:
                 continue  # no segment is planned for it: its flags do not matter
+            if rid not in self._last_seen and kind != ForwardKind.CAPTURE:
+                rows[4][i] = pre  # a new request: its whole (reused) prefix is checked against the seal
             self._last_seen[rid] = self.forwards + 1
             if stripe:
                 rows[3][i] = self._stripe(rid, pre, kind)
@@ -560,6 +594,21 @@ class CanaryManager:
         self._sweeps_staged = 0
         self._window_first = self.forwards + 1
 
+    def _quarantine(self, rows: Sequence[Violation]) -> tuple[int, ...]:
+        """Table-space slots whose KV or record a kept row found bad (INPUT_ERROR rows name no real slot)."""
+        bad: set[int] = set()
+        for v in rows:
+            if int(v.reasons) & ~int(FailReason.INPUT_ERROR) == 0:
+                continue
+            g = next((g for g in self.state.groups if g.spec.group == v.tag.group), None)
+            if g is None or v.slot < g.spec.reserved_slots:
+                continue
+            if g.spec.swa_map is None:
+                bad.add(v.slot)
+            else:  # SWA rows name the SWA slot: the table slots mapped to it
+                bad.update(int(t) for t in torch.nonzero(g.spec.swa_map.cpu() == v.slot).flatten().tolist())
+        return tuple(sorted(bad))
+
     def _collect_ready(self, block: bool) -> WindowReport | None:
         last = None
         while self._pending:
@@ -593,11 +642,14 @@ class CanaryManager:
         by_tag = {LaunchTag(t): row[CounterCol.VIOLATIONS] for t, row in enumerate(delta) if row[CounterCol.VIOLATIONS]}
         total = sum(by_tag.values())
         self._violations_total += total
-        report = WindowReport(p.first_step, p.last_step, decode_rows(kept, self._step_batches) if kept_n else [],
-                              total, ring_total, max(0, ring_total - cfg.ring_capacity), by_tag,
-                              torch.tensor(delta, dtype=torch.int64))
+        rows = decode_rows(kept, self._step_batches, self._sweep_slices) if kept_n else []
+        report = WindowReport(p.first_step, p.last_step, rows, total, ring_total,
+                              max(0, ring_total - cfg.ring_capacity), by_tag, torch.tensor(delta, dtype=torch.int64),
+                              self._quarantine(rows), self.pool.page_size)
         for s in range(p.first_step, p.last_step + 1):
             self._step_batches.pop(s, None)
+        for s in [s for s in self._sweep_slices if s <= p.last_step]:
+            del self._sweep_slices[s]
         self.sweeper.completed += p.sweeps
         if p.sweeps:
             logger.info("kvcanary: sweep completed (total %d) with results through step %d", self.sweeper.completed,
@@ -610,6 +662,7 @@ class CanaryManager:
         self.health.expected, self.health.expected_forwards = saved, saved_fw
         self.metrics.counters["forwards"] = self.forwards
         self.metrics.counters["sweeps_completed"] = self.sweeper.completed
+        self.metrics.counters["sweep_slices"] = self.sweeper.slices
         self.metrics.counters["health_problems"] += len(problems)
         self.metrics.counters["perturbations"] = len(self.perturber.events)
         self.metrics.gauges["coverage"] = self.health.coverage.fraction()

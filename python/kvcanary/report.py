@@ -24,6 +24,23 @@ def reason_names(reasons: int) -> list[str]:
 
 
 @dataclass(frozen=True)
+class CachedChain:
+    """The cached chain a sweep row belongs to: its index in the export, first position, length, last holders."""
+
+    index: int
+    first_position: int
+    length: int
+    holders: tuple[Hashable, ...] = ()
+
+
+class ChainLookup(Protocol):
+    """What a sweep left for its rows: the chain of a plan segment (a sweep row's BATCH_INDEX)."""
+
+    def chain(self, segment: int) -> CachedChain | None:
+        """The chain of ``segment``, None when unknown."""
+
+
+@dataclass(frozen=True)
 class Violation:
     """One decoded violation row, attributed to a request where the step's batch is known."""
 
@@ -44,6 +61,7 @@ class Violation:
     request_id: Hashable | None = None
     request_position: int | None = None  # position of the token in the request's sequence
     expected_slot: int = NO_SLOT  # STRUCTURAL: the slot req_to_token maps (NO_SLOT: padding, reserved slots only)
+    chain: CachedChain | None = None  # sweep rows: the cached chain the slot belongs to
 
     def key(self) -> tuple[int, int, int]:
         """Deduplication key: the same check failing at the same slot."""
@@ -59,6 +77,9 @@ class Violation:
             "stored_fp": f"0x{self.stored_fp:016x}", "expected_fp": f"0x{self.expected_fp:016x}", "step": self.step,
             "request_id": None if self.request_id is None else str(self.request_id),
             "request_position": self.request_position, "expected_slot": self.expected_slot,
+            "chain": None if self.chain is None else {
+                "index": self.chain.index, "first_position": self.chain.first_position, "length": self.chain.length,
+                "holders": [str(h) for h in self.chain.holders]},
         }
 
     def line(self) -> str:
@@ -69,7 +90,14 @@ class Violation:
                 f"request={self.request_id} row={self.req_row} stored_token={self.stored_token} "
                 f"expected_token={self.expected_token} stored_hash=0x{self.stored_hash:016x} "
                 f"expected_hash=0x{self.expected_hash:016x} stored_fp=0x{self.stored_fp:016x} "
-                f"expected_fp=0x{self.expected_fp:016x} step={self.step}")
+                f"expected_fp=0x{self.expected_fp:016x} step={self.step}{self._chain_text()}")
+
+    def _chain_text(self) -> str:
+        c = self.chain
+        if c is None:
+            return ""
+        return (f" chain={c.index} chain_first_position={c.first_position} chain_length={c.length} "
+                f"last_held_by={','.join(str(h) for h in c.holders) or '-'}")
 
 
 @dataclass(frozen=True)
@@ -80,15 +108,19 @@ class StepBatch:
     token_offset: int = 0
 
 
-def decode_rows(rows: torch.Tensor, batches: Mapping[int, StepBatch] | None = None) -> list[Violation]:
-    """Decode ring rows (host int64 [n, NUM_VIOLATION_COLS]); attribute forward rows (not sweeps) by step."""
+def decode_rows(rows: torch.Tensor, batches: Mapping[int, StepBatch] | None = None,
+                sweeps: Mapping[int, ChainLookup] | None = None) -> list[Violation]:
+    """Decode ring rows (host int64 [n, NUM_VIOLATION_COLS]); attribute forward rows to requests by step, and
+    sweep rows to their cached chain."""
     out: list[Violation] = []
     for r in rows.tolist():
         tag = LaunchTag(r[ViolationCol.TAG])
         step, bi = r[ViolationCol.STEP], r[ViolationCol.BATCH_INDEX]
         rid: Hashable | None = None
         rpos: int | None = None
-        sb = batches.get(step) if batches is not None and tag.stage.name != "SWEEP" else None
+        sweep = tag.stage.name == "SWEEP"
+        lookup = sweeps.get(step) if sweeps is not None and sweep else None
+        sb = batches.get(step) if batches is not None and not sweep else None
         if sb is not None and 0 <= bi < len(sb.request_ids):
             rid = sb.request_ids[bi]
             rpos = r[ViolationCol.POSITION] + sb.token_offset
@@ -97,7 +129,7 @@ def decode_rows(rows: torch.Tensor, batches: Mapping[int, StepBatch] | None = No
             r[ViolationCol.STORED_POSITION], bi, r[ViolationCol.REQ_ROW], r[ViolationCol.STORED_TOKEN],
             r[ViolationCol.EXPECTED_TOKEN], to_u64(r[ViolationCol.STORED_HASH]), to_u64(r[ViolationCol.EXPECTED_HASH]),
             to_u64(r[ViolationCol.STORED_FP]), to_u64(r[ViolationCol.EXPECTED_FP]), step, rid, rpos,
-            r[ViolationCol.EXPECTED_SLOT]))
+            r[ViolationCol.EXPECTED_SLOT], None if lookup is None else lookup.chain(bi)))
     return out
 
 
@@ -113,6 +145,15 @@ class WindowReport:
     dropped: int  # rows not kept (ring full); never silent
     by_tag: dict[LaunchTag, int] = field(default_factory=dict)
     counter_delta: torch.Tensor | None = None  # host int64 [NUM_LAUNCH_TAGS, NUM_COUNTER_COLS]
+    # Quarantine: table-space slots whose KV or canary record a kept row found bad. An engine must not reuse them
+    # from its prefix cache (a bad block is a cache miss: evict and recompute), nor the cached tokens after them.
+    quarantine: tuple[int, ...] = ()
+    page_size: int = 1
+
+    @property
+    def quarantine_pages(self) -> tuple[int, ...]:
+        """Pages (slot // page_size) holding a quarantined slot."""
+        return tuple(sorted({s // self.page_size for s in self.quarantine}))
 
     @property
     def request_ids(self) -> list[Hashable]:

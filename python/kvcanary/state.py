@@ -12,6 +12,7 @@ from kvcanary_schema import (
     NUM_PLAN_STATUS_COLS,
     NUM_VIOLATION_COLS,
     RECORD_NUM_FIELDS,
+    FingerprintMode,
     Group,
     Stage,
     TokenTruth,
@@ -21,6 +22,8 @@ from kvcanary.adapter import GroupSpec, PoolDescription, TransferBuffer
 from kvcanary.config import CanaryConfig, CoveragePolicy, LayerCoverage
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, TokenPool
+
+UPLOAD_ROWS = 5  # rows of CanaryState.truth_rows
 
 
 def _i64(*shape: int, device: torch.device) -> torch.Tensor:
@@ -39,6 +42,9 @@ class GroupState:
     stripe_plan: torch.Tensor | None  # WINDOW policy (FULL group): the rotating stripe of older slots
     stripe_status: torch.Tensor | None
     fingerprint: Fingerprint | None
+    seal: Fingerprint | None = None  # every byte of every source, stored in the HEAD records (config.sealing)
+    reuse_plan: torch.Tensor | None = None  # reuse check: each new request's reused prefix, against the seal
+    reuse_status: torch.Tensor | None = None
 
     @property
     def window(self) -> int:
@@ -95,9 +101,10 @@ class CanaryState:
         self.req_pool_indices = _i64(rc, device=d)
         self.prefix_lens = _i64(rc, device=d)
         self.extend_lens = _i64(rc, device=d)
-        # host-computed per-request rows, uploaded in one copy: expect_prefix, expect_new, flag mask, stripe end
-        self.truth_rows = _i64(4, rc, device=d)
-        self.expect_prefix, self.expect_new, self.flag_mask, self.stripe_end = self.truth_rows.unbind(0)
+        # host-computed per-request rows, uploaded in one copy: expect_prefix, expect_new, flag mask, stripe end,
+        # reuse end (the reused prefix a new request's first forward verifies against the seal; 0 = none)
+        self.truth_rows = _i64(UPLOAD_ROWS, rc, device=d)
+        self.expect_prefix, self.expect_new, self.flag_mask, self.stripe_end, self.reuse_end = self.truth_rows.unbind(0)
         self.flag_mask.fill_(-1)  # per request: PlanFlag bits kept
         self.input_ids = _i64(tc, device=d)
         self.positions = _i64(tc, device=d)
@@ -119,7 +126,10 @@ class CanaryState:
             self.scatter_status = _i64(1, device=d)
         pin = d.type == "cuda"
         self.staging = [self._staging(pin) for _ in range(2)]
-        self.upload = [torch.zeros(4, rc, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.upload = [torch.zeros(UPLOAD_ROWS, rc, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        # rolling sweep scratch: table slot -> flat export index / chain (last entry: where bad slots land)
+        self.sweep_inv = _i64(pool.num_slots + 1, device=d)
+        self.sweep_chain = _i64(pool.num_slots + 1, device=d)
         self.stream = torch.cuda.Stream(device=d) if d.type == "cuda" else None  # type: ignore[no-untyped-call]
 
     def _group(self, spec: GroupSpec) -> GroupState:
@@ -137,11 +147,21 @@ class CanaryState:
             halves = [list(h[:1]) if cfg.layer_coverage == LayerCoverage.FIRST else list(h) for h in spec.sources]
             fp = Fingerprint(FingerprintSources(halves, spec.num_slots), cfg.fingerprint,
                              cfg.layer_stride_for(len(halves[0])))
+        seal = None
+        if cfg.sealing and spec.sources is not None:
+            seal = Fingerprint(FingerprintSources([list(h) for h in spec.sources], spec.num_slots),
+                               FingerprintMode.ALL)
         stripe = cfg.coverage == CoveragePolicy.WINDOW and spec.group == Group.FULL
+        reuse = seal is not None and cfg.reuse_check
+
+        def plan_buffers(on: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            if not on:
+                return None, None
+            return _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), _i64(NUM_PLAN_STATUS_COLS, device=d)
+
         return GroupState(
             spec, head, tail, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), _i64(NUM_PLAN_STATUS_COLS, device=d),
-            _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d) if stripe else None,
-            _i64(NUM_PLAN_STATUS_COLS, device=d) if stripe else None, fp)
+            *plan_buffers(stripe), fp, seal, *plan_buffers(reuse))
 
     def _staging(self, pin: bool) -> Staging:
         def host(*shape: int) -> torch.Tensor:

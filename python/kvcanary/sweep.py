@@ -1,8 +1,9 @@
-"""Sweep: verify every cached prefix chain (TAIL records, fingerprints) from the adapter's vectorized export."""
+"""Sweeps of the cached prefix chains (TAIL records + fingerprints, HEAD records + seal): full and rolling."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from kvcanary_schema import Stage
@@ -10,6 +11,7 @@ from kvcanary_schema import Stage
 from kvcanary.adapter import PrefixCacheExport
 from kvcanary.ops.plan import plan_sweep
 from kvcanary.ops.verify import verify
+from kvcanary.report import CachedChain
 from kvcanary.state import CanaryState
 
 logger = logging.getLogger("kvcanary")
@@ -24,13 +26,37 @@ def filter_export(export: PrefixCacheExport, unlocked_only: bool) -> PrefixCache
     if not unlocked_only or export.unlocked is None:
         return export
     keep = export.unlocked
+    holders = None if export.holders is None else [h for h, k in zip(export.holders, keep.tolist(), strict=True) if k]
     return PrefixCacheExport(export.slots, export.starts[keep], export.lens[keep], export.first_positions[keep],
                              export.prev_slots[keep], None,
-                             None if export.expect_end is None else export.expect_end[keep])
+                             None if export.expect_end is None else export.expect_end[keep], holders)
+
+
+@dataclass(frozen=True)
+class SweepSlice:
+    """What one sweep verified, kept until its window is reported: sweep rows name their chain through it."""
+
+    export: PrefixCacheExport
+    chain_of_segment: torch.Tensor | None = None  # rolling sweep: segment -> chain; None: segment i is chain i
+
+    def chain(self, segment: int) -> CachedChain | None:
+        """The chain of plan segment ``segment`` (a sweep row's BATCH_INDEX), None when out of range."""
+        c = segment
+        if self.chain_of_segment is not None:
+            if not 0 <= segment < self.chain_of_segment.shape[0]:
+                return None
+            c = int(self.chain_of_segment[segment])
+        if not 0 <= c < self.export.num_chains:
+            return None
+        holders = self.export.holders[c] if self.export.holders is not None else ()
+        return CachedChain(c, int(self.export.first_positions[c]), int(self.export.lens[c]), tuple(holders))
 
 
 class Sweeper:
-    """Runs sweeps on the state's TAIL buffers; counts launches, and completions only once results are back."""
+    """Runs sweeps on the state's TAIL (fingerprint) and HEAD (seal) records; counts launches, and completions only
+    once results are back. The rolling sweep walks the table-space slot ids ``slice`` at a time, so every slot that
+    is cached when the walk passes it is verified once per ``ceil(num_slots / slice)`` forwards, however the cache
+    changes in between."""
 
     def __init__(self, state: CanaryState, backend: str, unlocked_only: bool = False) -> None:
         self.state = state
@@ -39,6 +65,10 @@ class Sweeper:
         self.launched = 0
         self.completed = 0
         self.chains_last = 0
+        self.cursor = 0  # rolling sweep: first table slot id of the next slice
+        self.slices = 0  # rolling-sweep slices launched
+        width = state.config.sweep_slice
+        self.window = torch.arange(width, dtype=torch.int64, device=state.device)
 
     def run(self, export: PrefixCacheExport) -> int:
         """Verify every chain of ``export`` (eager, outside any graph); returns the verify launches per group/half."""
@@ -53,17 +83,61 @@ class Sweeper:
                        export.first_positions[c0:c1], export.prev_slots[c0:c1],
                        expect_end=None if export.expect_end is None else export.expect_end[c0:c1],
                        backend=self.backend)
-            table = export.slots.view(1, -1)
-            for g in st.groups:
-                verify(g.tail, Stage.SWEEP, st.sweep_plan, st.sweep_status, table, st.sink,
-                       fingerprint=g.fingerprint, backend=self.backend)
+            self._verify(export.slots)
             chunks += 1
         self.launched += 1
         self.chains_last = n
         return chunks
+
+    def roll(self, export: PrefixCacheExport) -> SweepSlice | None:
+        """Verify the cached slots whose table slot id lies in the next slice (one segment per slot, eager); None
+        (nothing launched) when nothing is cached.
+
+        Needs an export whose chains lie back to back in order (``starts`` = exclusive running sum of ``lens``, as
+        the reference engine's and the transformers integration's are); slots of other chains are skipped.
+        """
+        st = self.state
+        export.validate(st.device)
+        m, width, total = st.pool.num_slots, self.window.shape[0], export.slots.shape[0]
+        ids = (self.cursor + self.window) % m
+        self.cursor = (self.cursor + width) % m
+        if total == 0 or export.num_chains == 0:
+            return None
+        sl = export.slots
+        st.sweep_inv.fill_(-1)
+        st.sweep_inv.index_copy_(0, torch.where((sl >= 0) & (sl < m), sl, m),
+                                 torch.arange(total, dtype=torch.int64, device=st.device))
+        k = st.sweep_inv[ids]  # flat export index of each slot id of the slice, -1 = not cached
+        kc = k.clamp(min=0)
+        lens = export.lens.clamp(min=0)
+        ends = torch.cumsum(lens, 0)
+        chain = torch.searchsorted(ends, kc, right=True).clamp(max=export.num_chains - 1)
+        start = export.starts[chain]
+        ok = (k >= 0) & (start == ends[chain] - lens[chain]) & (kc >= start) & (kc < ends[chain])
+        if self.unlocked_only and export.unlocked is not None:
+            ok &= export.unlocked[chain]
+        off = kc - start
+        prev = torch.where(off > 0, sl[(kc - 1).clamp(min=0)], export.prev_slots[chain])
+        plan_sweep(st.sweep_plan, st.sweep_status, sl, torch.where(ok, kc, 0), ok.to(torch.int64),
+                   export.first_positions[chain] + off, prev, backend=self.backend)
+        self._verify(sl)
+        self.launched += 1
+        self.slices += 1
+        return SweepSlice(export, chain)
+
+    def _verify(self, slots: torch.Tensor) -> None:
+        st = self.state
+        table = slots.view(1, -1)
+        for g in st.groups:
+            verify(g.tail, Stage.SWEEP, st.sweep_plan, st.sweep_status, table, st.sink,
+                   fingerprint=g.fingerprint, backend=self.backend)
+            if g.seal is not None:
+                verify(g.head, Stage.SWEEP, st.sweep_plan, st.sweep_status, table, st.sink, fingerprint=g.seal,
+                       backend=self.backend)
 
     @staticmethod
     def empty_export(device: torch.device) -> PrefixCacheExport:
         """An export with no chains (a sweep of it still launches, so the watchdog sees it ran)."""
         z = torch.zeros(0, dtype=torch.int64, device=device)
         return PrefixCacheExport(z, z, z, z, z)
+

@@ -436,7 +436,8 @@ def test_raise_surfaces_from_generate_batch(llama: Any, prompts: list[list[int]]
         with pytest.raises(CanaryViolationError) as info:
             generate(llama, prompts[:2], max_new_tokens=5)
     assert info.value is handle.errors[0]
-    assert {v.tag for v in info.value.violations} == {LaunchTag.TAIL_K_FULL}
+    tags = {v.tag for v in info.value.violations}  # the rolling sweep may see the same record in the same window
+    assert LaunchTag.TAIL_K_FULL in tags and tags <= {LaunchTag.TAIL_K_FULL, LaunchTag.SWEEP_K_FULL}
     assert all(v.reasons == FailReason.VERIFY_FINGERPRINT and v.position == 1 for v in info.value.violations)
 
 

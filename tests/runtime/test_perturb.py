@@ -65,7 +65,7 @@ def test_mode_caught_by_its_check(mode: PerturbMode, seed: int) -> None:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_unused_cached_caught_by_sweep_only(seed: int) -> None:
     eng = FakeEngine()
-    m = install(eng, CanaryConfig(fingerprint="all", sweep_interval=4, stats_interval=0,
+    m = install(eng, CanaryConfig(fingerprint="all", sweep_interval=4, sweep_slice=0, stats_interval=0,
                                   perturb=PerturbConfig({PerturbMode.REAL_KV_UNUSED_CACHED: 1.0}, 0, seed)))
     eng.add("old", [40, 41, 42, 43])
     run(eng, m, 2)
@@ -137,7 +137,7 @@ def test_warmup_gate_and_seed_determinism() -> None:
 
 def test_fingerprint_modes_refused_without_fingerprint() -> None:
     with pytest.raises(CanaryInputError, match="real_kv_used"):
-        install(FakeEngine(), CanaryConfig(perturb=PerturbConfig({PerturbMode.REAL_KV_USED: 1.0})))
+        install(FakeEngine(), CanaryConfig(fingerprint="none", perturb=PerturbConfig({PerturbMode.REAL_KV_USED: 1.0})))
 
 
 def test_table_covers_every_mode() -> None:

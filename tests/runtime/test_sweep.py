@@ -57,7 +57,7 @@ def test_completed_sweeps_counted_after_results() -> None:
 
 def test_on_demand_sweep_and_chunking() -> None:
     eng = FakeEngine()
-    m = install(eng, CanaryConfig(sweep_capacity=2, stats_interval=0, sweep_interval=0))
+    m = install(eng, CanaryConfig(sweep_capacity=2, stats_interval=0, sweep_interval=0, sweep_slice=0, seal=False))
     for i in range(5):
         eng.add(f"c{i}", [20 + i, 30 + i, 40 + i])
     run(eng, m, 1)
@@ -109,3 +109,31 @@ def test_empty_export_sweep_is_a_launch() -> None:
     assert m.sweep(Sweeper.empty_export(torch.device("cpu")))
     m.flush()
     assert not m.health.problems
+
+
+def test_rolling_sweep_covers_every_cached_slot_once_per_pass() -> None:
+    """slice 8 of 96 slot ids: after 12 forwards every cached slot was verified exactly once (K and V, TAIL and the
+    HEAD seal), and the walk never verifies more than the slice in one forward."""
+    from kvcanary_schema import CounterCol, LaunchTag
+    eng = FakeEngine()
+    m = install(eng, CanaryConfig(stats_interval=0, sweep_slice=8))
+    for i in range(5):
+        eng.add(f"c{i}", [20 + i, 30 + i, 40 + i, 50 + i])
+    run(eng, m, 1)
+    for i in range(5):
+        eng.finish(f"c{i}")
+    export = eng.prefix_cache_export()
+    assert export is not None
+    cached = int(export.lens.sum())
+    c = m.state.sink.counters
+    start = int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED])
+    per_forward = []
+    for k in range(-(-eng.num_slots // 8)):
+        before = int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED])
+        eng.add(f"t{k}", [7])  # a one-token request keeps the bracket going without touching the cache
+        run(eng, m, 1)
+        eng.finish(f"t{k}", cache=False)
+        per_forward.append(int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]) - before)
+    assert sum(per_forward) == 2 * cached  # TAIL records + HEAD seal, each cached slot once
+    assert max(per_forward) <= 2 * 8 and int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]) > start
+    assert not m.health.problems and all(r.total == 0 for r in m.reports)

@@ -16,10 +16,13 @@ from kvcanary.report import CallbackSink, Violation, WindowReport
 
 def transfer_config(backend: str = "auto", token_truth: str = "chain", layer_coverage: str = "all") -> CanaryConfig:
     """LOG mode, fingerprints of every byte; by default of every layer (a truncated transfer misses whole layers)
-    and with chain token truth (a foreign but self-consistent chain is invisible without it)."""
-    return CanaryConfig(mode=CanaryMode.LOG, fingerprint=FingerprintMode.ALL,
+    and with chain token truth (a foreign but self-consistent chain is invisible without it). No seal and no sweeps:
+    the coverage is exactly the per-forward one named (the first-layer run is the negative control), so every
+    violation is attributed to the request that received the transfer."""
+    return CanaryConfig(mode=CanaryMode.LOG, fingerprint=FingerprintMode.ALL, seal=False,
                         layer_coverage=LayerCoverage(layer_coverage), token_truth=TokenTruth[token_truth.upper()],
-                        backend=backend, sweep_interval=0, stats_interval=0, req_capacity=64, token_capacity=1024)
+                        backend=backend, sweep_interval=0, sweep_slice=0, stats_interval=0, req_capacity=64,
+                        token_capacity=1024)
 
 
 class RoleCanary:

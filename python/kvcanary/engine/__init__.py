@@ -3,7 +3,7 @@
 from .batch import ForwardBatch, ForwardMode, PoolKind
 from .engine import Engine, EngineConfig, EngineStats
 from .errors import ConfigError, DoubleFreeError, EngineError, PoolExhaustedError, RequestError
-from .faults import FaultConfig, FaultInjector
+from .faults import IDLE_VICTIM, FaultConfig, FaultInjector
 from .hooks import EngineHooks, NullHooks, RecordingHooks
 from .model import ModelConfig, TinyTransformer
 from .pool import KVPool, PoolView, ReqToTokenPool, SlotAllocator, SwaMap
@@ -12,7 +12,7 @@ from .scheduler import ReqState, Request, SamplingParams, Scheduler, sample_toke
 
 __all__ = [
     "CachedChains", "ConfigError", "DoubleFreeError", "Engine", "EngineConfig", "EngineError",
-    "EngineHooks", "EngineStats", "FaultConfig", "FaultInjector", "ForwardBatch", "ForwardMode",
+    "EngineHooks", "EngineStats", "IDLE_VICTIM", "FaultConfig", "FaultInjector", "ForwardBatch", "ForwardMode",
     "KVPool", "MatchResult", "ModelConfig", "NullHooks", "PoolExhaustedError", "PoolKind", "PoolView",
     "RadixCache", "RadixNode", "RecordingHooks", "ReqState", "ReqToTokenPool", "Request",
     "RequestError", "SamplingParams", "Scheduler", "SlotAllocator", "SwaMap", "TinyTransformer",

@@ -72,7 +72,8 @@ def batch_view(batch: ForwardBatch) -> BatchView:
 
 
 def prefix_cache_export(engine: Engine, kind: PoolKind = PoolKind.TARGET) -> PrefixCacheExport | None:
-    """The engine's radix cache as the sweep's chain export (None without a prefix cache).
+    """The engine's radix cache (and, in the target pool, the running requests' uncached KV) as the sweep's chain
+    export (None without a prefix cache).
 
     In the draft pool (token offset 1) a node's last record holds the first token of whichever child wrote it
     first, so links across node boundaries are not content-determined there: the draft export gives non-root
@@ -80,11 +81,13 @@ def prefix_cache_export(engine: Engine, kind: PoolKind = PoolKind.TARGET) -> Pre
     """
     if engine.radix is None:
         return None
-    c = engine.cached_chains()
+    # the target pool's export also holds every running request's KV outside the cache (a sweep reaches it)
+    c = engine.resident_chains() if kind == PoolKind.TARGET else engine.cached_chains()
     prev = c.prev_slots
     if kind == PoolKind.DRAFT:
         prev = torch.where(prev == NO_SLOT, prev, torch.full_like(prev, engine.config.num_slots))
-    return PrefixCacheExport(c.slots, c.chain_starts, c.chain_lens, c.first_positions, prev, c.unlocked)
+    return PrefixCacheExport(c.slots, c.chain_starts, c.chain_lens, c.first_positions, prev, c.unlocked,
+                             holders=c.holders)
 
 
 @dataclass(frozen=True)
@@ -115,10 +118,13 @@ class EngineCanary:
     """
 
     def __init__(self, engine: Engine, config: CanaryConfig, sinks: Sequence[ReportSink] = (),
-                 on_forward: Callable[[EngineCanary, ForwardBatch, PoolKind], None] | None = None) -> None:
-        """Install one manager per pool and become ``engine``'s hooks; ``on_forward`` runs after every bracket."""
+                 on_forward: Callable[[EngineCanary, ForwardBatch, PoolKind], None] | None = None,
+                 quarantine: bool = True) -> None:
+        """Install one manager per pool and become ``engine``'s hooks; ``on_forward`` runs after every bracket;
+        ``quarantine``: reported bad slots leave the prefix cache (evicted, recomputed on the next use)."""
         self.engine = engine
         self.config = config
+        self.quarantine = quarantine
         self.managers: dict[PoolKind, CanaryManager] = {}
         kinds = [PoolKind.TARGET] + ([PoolKind.DRAFT] if engine.models.draft_pool is not None else [])
         for kind in kinds:
@@ -182,10 +188,13 @@ class EngineCanary:
     # ------------------------------------------------------------------ results
 
     def _keep(self, kind: PoolKind, report: WindowReport | None) -> None:
-        """Keep a window with violations, dated by its last step (on CUDA a window comes back a forward late)."""
+        """Keep a window with violations, dated by its last step (on CUDA a window comes back a forward late), and
+        act on its quarantine: the engine stops reusing those cached slots (a bad block is a cache miss)."""
         if report is not None and report.total:
             self.detections.append(Detection(kind, self._global.get((kind, report.last_step), self.forwards),
                                              report.last_step, report))
+            if self.quarantine:
+                self.engine.quarantine(report.quarantine)
 
     def flush(self) -> None:
         """Collect every window still in flight (blocking)."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .batch import ForwardBatch, ForwardMode, PoolKind
 from .errors import ConfigError, EngineError, PoolExhaustedError, RequestError
-from .faults import FaultConfig, FaultInjector
+from .faults import IDLE_VICTIM, FaultConfig, FaultInjector
 from .hooks import EngineHooks, NullHooks
 from .model import ModelConfig, TinyTransformer
 from .pool import KVPool, PoolView, ReqToTokenPool, SlotAllocator, SwaMap
@@ -62,6 +63,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     retractions: int = 0
     evicted_slots: int = 0
+    quarantined_slots: int = 0
     spec_rounds: int = 0
     spec_proposed: int = 0
     spec_accepted: int = 0
@@ -139,6 +141,11 @@ class Engine:
 
     def step(self) -> bool:
         """Run one scheduling step (at most one target forward plus its draft forwards)."""
+        if self.radix is not None and self.faults.config.cached_kv_flip_idle > 0:
+            idle = [n for n in self.radix.nodes() if n.lock_ref == 0 and n.value.numel()]
+            if idle and self.faults.fire_once("cached_kv_flip_idle"):
+                self._flip_kv_bit(idle[self.faults.choice(len(idle))].value, last_v_only=False)
+                self.faults.kv_victims.append(IDLE_VICTIM)
         self._admit()
         plan = self.scheduler.plan_prefill(self.config.chunk_size)
         if plan:
@@ -185,10 +192,40 @@ class Engine:
         if self.radix is not None:
             self.radix.reset()
 
+    def quarantine(self, slots: Sequence[int]) -> int:
+        """Never reuse cached KV at ``slots`` (a canary report's quarantine): the prefix-cache runs holding them,
+        and everything cached after them, become cache misses and are recomputed; returns the slots freed now."""
+        if self.radix is None or not slots:
+            return 0
+        self.stats.quarantined_slots += len(slots)
+        return self.radix.quarantine({int(s) for s in slots})
+
     def cached_chains(self) -> CachedChains:
         """Vectorized export of the prefix cache for a sweep (empty without a cache)."""
         cache = self.radix or RadixCache(self.config.page_size)
         return cache.export_chains(self.device)
+
+    def resident_chains(self) -> CachedChains:
+        """:meth:`cached_chains` plus, per running request, its KV not in the prefix cache (positions
+        ``[cached_len, kv_len)`` of its slot-table row, held by it), so a sweep reaches every slot a request holds."""
+        base = self.cached_chains()
+        tails = [s for s in self.scheduler.running if s.row >= 0 and s.kv_len > s.cached_len]
+        if not tails:
+            return base
+        table = self.req_to_token.table
+        slots = [table[s.row, s.cached_len:s.kv_len].to(torch.int64) for s in tails]
+        none = torch.full((1,), -1, dtype=torch.int64, device=table.device)
+        prev = [table[s.row, s.cached_len - 1:s.cached_len].to(torch.int64) if s.cached_len else none for s in tails]
+        lens = torch.tensor([s.kv_len - s.cached_len for s in tails], dtype=torch.int64)
+        starts = base.slots.numel() + torch.cumsum(lens, 0) - lens
+        dev = base.slots.device
+        return CachedChains(
+            torch.cat([base.slots, *[t.to(dev) for t in slots]]), torch.cat([base.chain_starts, starts.to(dev)]),
+            torch.cat([base.chain_lens, lens.to(dev)]),
+            torch.cat([base.first_positions, torch.tensor([s.cached_len for s in tails], device=dev)]),
+            torch.cat([base.prev_slots, *[t.to(dev) for t in prev]]),
+            torch.cat([base.unlocked, torch.zeros(len(tails), dtype=torch.bool, device=dev)]),
+            base.holders + tuple((s.rid,) for s in tails))
 
     def pool_view(self, kind: PoolKind = PoolKind.TARGET) -> PoolView:
         """Description of the target or draft pool for an integrity checker."""
@@ -312,12 +349,26 @@ class Engine:
         limit = self._swa_usable(match.slots, limit // size * size)
         if limit <= 0:
             return
+        if self.faults.fire_once("cached_kv_flip_reused"):
+            self._flip_kv_bit(match.slots[:limit], last_v_only=True)
+            self.faults.kv_victims.append(state.rid)
         state.cached_len = state.kv_len = state.draft_len = limit
         state.pages = self._page_of(match.slots[:limit])
         self.req_to_token.write(state.row, 0, match.slots[:limit])
-        self.radix.lock(match.node)
+        self.radix.lock(match.node, state.rid)
         state.node = match.node
         self.stats.prefix_hit_tokens += limit
+
+    def _flip_kv_bit(self, slots: torch.Tensor, last_v_only: bool) -> None:
+        """Fault: flip one low mantissa bit (never NaN/Inf) of one element of the target pool's real KV at one of
+        ``slots``: V of the last full-attention layer, or K/V of a random full-attention layer."""
+        pool, cfg = self.models.target_pool, self.models.target.config
+        full = [i for i in range(cfg.num_layers) if i not in cfg.sliding_layers]
+        layer = full[-1] if last_v_only else full[self.faults.choice(len(full))]
+        tensors = pool.v if last_v_only or self.faults.choice(2) else pool.k
+        row = tensors[layer][int(slots[self.faults.choice(int(slots.numel()))])].view(-1)
+        elem = row[self.faults.choice(row.numel()):][:1].view(torch.uint8)  # little-endian: byte 0 is mantissa
+        elem[0] ^= 1 << self.faults.choice(7)
 
     def _maybe_wrong_match(self, state: ReqState, match: MatchResult) -> MatchResult:
         """Fault: return the chain of a node whose key is not a prefix of the request's tokens."""
@@ -364,7 +415,7 @@ class Engine:
         tree_from = state.cached_len // size
         if self.radix is not None and cut > 0:
             slots = self.allocator.page_slots(state.pages[:cut // size])
-            existing, _ = self.radix.insert(self._radix_key(state.tokens, cut), slots)
+            existing, _ = self.radix.insert(self._radix_key(state.tokens, cut), slots, state.rid)
             first_new = max(existing, state.cached_len) // size
             self._free_pages(state.pages[tree_from:first_new])
             inserted = state.pages[first_new:cut // size]

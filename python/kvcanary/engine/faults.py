@@ -32,6 +32,11 @@ class FaultConfig:
       computed for the target's predicted next token instead of the next prompt token.
     - resume_prompt_only_lookup: (SGLang #28254) the next chunk token is looked up in the prompt
       only (not prompt + output), so after retract+resume it falls back to the predicted token.
+    - cached_kv_flip_reused: once, just before a request reuses a cached prefix, one low mantissa bit of V in the
+      last full-attention layer flips at a random slot of that prefix (bit rot at rest, then reused).
+    - cached_kv_flip_idle: once, at the start of a step, one low mantissa bit of K or V in a random full-attention
+      layer flips at a random slot of an idle (unlocked) cached prefix (bit rot at rest).
+    These two damage real KV only: they record their victim (request id, or IDLE_VICTIM) in `kv_victims`.
     """
 
     wrong_prefix_hit: float = 0.0
@@ -45,6 +50,8 @@ class FaultConfig:
     draft_position_off_by_one: float = 0.0
     draft_chunk_predicted_token: float = 0.0
     resume_prompt_only_lookup: float = 0.0
+    cached_kv_flip_reused: float = 0.0
+    cached_kv_flip_idle: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -63,6 +70,7 @@ class FaultInjector:
         self.config = config or FaultConfig()
         self._rng = random.Random(self.config.seed)
         self.fired: Counter[str] = Counter()
+        self.kv_victims: list[str] = []  # who a real-KV fault damaged (a request id, or IDLE_VICTIM)
 
     def fire(self, name: str) -> bool:
         """Whether fault `name` fires at this opportunity (no RNG draw when it is off)."""
@@ -74,6 +82,13 @@ class FaultInjector:
         self.fired[name] += 1
         return True
 
+    def fire_once(self, name: str) -> bool:
+        """Like :meth:`fire`, but only until the fault fired once."""
+        return not self.fired[name] and self.fire(name)
+
     def choice(self, n: int) -> int:
         """A seeded index in [0, n)."""
         return self._rng.randrange(n)
+
+
+IDLE_VICTIM = "<idle cached prefix>"

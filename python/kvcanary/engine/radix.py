@@ -23,6 +23,8 @@ class RadixNode:
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.lock_ref = 0
         self.last_access = 0
+        self.holders: tuple[str, ...] = ()  # the requests that last held (matched or inserted) this run
+        self.poisoned = False  # quarantined: never matched again, dropped once no request holds it
 
     @property
     def end(self) -> int:
@@ -53,6 +55,7 @@ class CachedChains:
     first_positions: torch.Tensor
     prev_slots: torch.Tensor
     unlocked: torch.Tensor
+    holders: tuple[tuple[str, ...], ...] = ()
 
     @property
     def num_chains(self) -> int:
@@ -92,6 +95,7 @@ class RadixCache:
             raise ConfigError("cannot split the root")
         head = RadixNode(parent, node.key[:at], node.value[:at], node.start)
         head.lock_ref, head.last_access = node.lock_ref, node.last_access
+        head.holders, head.poisoned = node.holders, node.poisoned
         parent.children[self._child_key(head.key)] = head
         node.parent, node.key, node.value, node.start = head, node.key[at:], node.value[at:], node.start + at
         head.children[self._child_key(node.key)] = node
@@ -103,7 +107,7 @@ class RadixCache:
         node, parts, stamp = self.root, [], next(self._clock)
         while key:
             child = node.children.get(self._child_key(key))
-            if child is None:
+            if child is None or child.poisoned:  # a quarantined run is a cache miss
                 break
             n = self._common(child.key, key)
             if n < len(child.key):
@@ -115,8 +119,9 @@ class RadixCache:
             node, key = child, key[n:]
         return MatchResult(torch.cat(parts) if parts else _EMPTY, node)
 
-    def insert(self, tokens: list[int] | tuple[int, ...], slots: torch.Tensor) -> tuple[int, RadixNode]:
-        """Insert a page-aligned key; return (tokens already cached, deepest node of the key)."""
+    def insert(self, tokens: list[int] | tuple[int, ...], slots: torch.Tensor,
+               holder: str | None = None) -> tuple[int, RadixNode]:
+        """Insert a page-aligned key (written by request ``holder``); return (tokens already cached, deepest node)."""
         if len(tokens) % self.page_size or len(tokens) != slots.numel():
             raise ConfigError("insert needs a page-aligned key with one slot per token")
         key, node, pos, stamp = tuple(tokens), self.root, 0, next(self._clock)
@@ -124,21 +129,24 @@ class RadixCache:
             child = node.children.get(self._child_key(key))
             if child is None:
                 new = RadixNode(node, key, slots[pos:].clone(), pos)
-                new.last_access = stamp
+                new.last_access, new.poisoned = stamp, node.poisoned  # below a quarantined run: never matched
+                _hold(new, holder)
                 node.children[self._child_key(key)] = new
                 return pos, new
             n = self._common(child.key, key)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = stamp
+            _hold(child, holder)
             node, key, pos = child, key[n:], pos + n
         return pos, node
 
-    def lock(self, node: RadixNode) -> None:
-        """Protect node and its ancestors from eviction."""
+    def lock(self, node: RadixNode, holder: str | None = None) -> None:
+        """Protect node and its ancestors from eviction (held by request ``holder``)."""
         cur: RadixNode | None = node
         while cur is not None and cur is not self.root:
             cur.lock_ref += 1
+            _hold(cur, holder)
             cur = cur.parent
 
     def unlock(self, node: RadixNode) -> None:
@@ -149,6 +157,30 @@ class RadixCache:
                 raise ConfigError("unlock of an unlocked radix node")
             cur.lock_ref -= 1
             cur = cur.parent
+        self._drop_poisoned()
+
+    def quarantine(self, slots: set[int]) -> int:
+        """Never reuse a cached run holding one of ``slots`` (table space), nor anything cached after it: those
+        nodes are poisoned (a match stops before them) and dropped, slots freed, as soon as no request holds them.
+        Returns the slots freed now."""
+        for node in list(self.nodes()):
+            if not node.poisoned and any(int(s) in slots for s in node.value.tolist()):
+                stack = [node]
+                while stack:
+                    cur = stack.pop()
+                    cur.poisoned = True
+                    stack.extend(cur.children.values())
+        return self._drop_poisoned()
+
+    def _drop_poisoned(self) -> int:
+        """Remove poisoned leaves no request holds, until none is left; returns the slots freed."""
+        freed, again = 0, True
+        while again:
+            again = False
+            for node in [n for n in self.nodes() if n.poisoned and not n.children and n.lock_ref == 0]:
+                freed += self._remove_leaf(node)
+                again = True
+        return freed
 
     def nodes(self) -> Iterator[RadixNode]:
         """All nodes except the root, parents before children."""
@@ -211,11 +243,21 @@ class RadixCache:
         starts = torch.cumsum(lens, 0) - lens
         prev = [int(n.parent.value[-1]) if n.parent is not None and n.parent is not self.root
                 else -1 for n in nodes]
+        holders = tuple(n.holders for n in nodes)
         chains = CachedChains(
             slots=torch.cat([n.value for n in nodes]) if nodes else _EMPTY, chain_starts=starts,
             chain_lens=lens, first_positions=torch.tensor([n.start for n in nodes], dtype=torch.int64),
             prev_slots=torch.tensor(prev, dtype=torch.int64),
             unlocked=torch.tensor([n.lock_ref == 0 for n in nodes], dtype=torch.bool))
-        return CachedChains(*(t.to(device) for t in (
-            chains.slots, chains.chain_starts, chains.chain_lens, chains.first_positions,
-            chains.prev_slots, chains.unlocked)))
+        return CachedChains(chains.slots.to(device), chains.chain_starts.to(device), chains.chain_lens.to(device),
+                            chains.first_positions.to(device), chains.prev_slots.to(device),
+                            chains.unlocked.to(device), holders)
+
+
+_MAX_HOLDERS = 4
+
+
+def _hold(node: RadixNode, holder: str | None) -> None:
+    """Remember ``holder`` among the node's last holders (newest last)."""
+    if holder is not None and (not node.holders or node.holders[-1] != holder):
+        node.holders = (*node.holders, holder)[-_MAX_HOLDERS:]

@@ -37,14 +37,17 @@ def fingerprint(sources: FingerprintSources, half: int, slots: torch.Tensor, pos
     return out
 
 
-def check_fingerprint(fp: Fingerprint | None, group: GroupView, stage: Stage) -> None:
-    """Raise CanaryInputError unless ``fp`` (if given) may fingerprint ``group``'s records at ``stage``."""
+def check_fingerprint(fp: Fingerprint | None, group: GroupView, stage: Stage, seal: bool = False) -> None:
+    """Raise CanaryInputError unless ``fp`` (if given) may fingerprint ``group``'s records at ``stage``.
+
+    HEAD verifies never fingerprint; a HEAD write may (``seal``: the seal is written after the forward).
+    """
     if fp is None:
         return
     if not isinstance(fp, Fingerprint):
         raise CanaryInputError(f"fingerprint must be a Fingerprint, got {type(fp).__name__}")
-    if stage == Stage.HEAD:
-        raise CanaryInputError("fingerprint: HEAD stages never fingerprint (the new KV is not written yet)")
+    if stage == Stage.HEAD and not seal:
+        raise CanaryInputError("fingerprint: HEAD verifies never fingerprint (HEAD records hold the seal, if any)")
     src = fp.sources
     if src.device != group.records.device:
         raise CanaryInputError(f"fingerprint sources on {src.device}, records on {group.records.device}")

@@ -41,8 +41,8 @@ def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tens
 
     ``input_ids``, ``positions`` and ``out_cache_loc`` are the batch's flat int64 ``[num_tokens]`` tensors
     (``out_cache_loc`` in table space, negative = skipped); ``checks`` holds WriteCheck bits (STRUCTURAL compares
-    ``out_cache_loc`` with ``table``). Fingerprints are TAIL-only. Bad values inside tensors become counted
-    INPUT_ERROR rows in ``sink``.
+    ``out_cache_loc`` with ``table``). A HEAD write takes a fingerprint only when it runs after the forward (the
+    seal). Bad values inside tensors become counted INPUT_ERROR rows in ``sink``.
     """
     if not isinstance(group, GroupView):
         raise CanaryInputError(f"group must be a GroupView, got {type(group).__name__}")
@@ -63,7 +63,7 @@ def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tens
         if not isinstance(token_pool, TokenPool):
             raise CanaryInputError(f"token_pool must be a TokenPool, got {type(token_pool).__name__}")
         check_tensor(token_pool.tokens, "token pool", ndim=2, device=device)
-    check_fingerprint(fingerprint, group, stage)
+    check_fingerprint(fingerprint, group, stage, seal=True)
     tags = group.tags(stage)
     b = check_backend(backend, device)
     if b == "torch":
