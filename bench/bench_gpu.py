@@ -44,9 +44,9 @@ CHECKS = int(WriteCheck.CHAIN_POSITION)
 
 def bench_module() -> Any:
     """The benchmark-only kernels (floors, serial-write baseline), JIT-built like the canary modules."""
-    _native.build("cuda")  # sets the arch / CUDA_HOME defaults
+    _native.set_cuda_build_env()
     return tvm_ffi.cpp.load("kvcanary_bench", cuda_files=[str(ROOT / "bench" / "bench_kernels.cu")],
-                            extra_cuda_cflags=_native.CUDA_FLAGS, extra_include_paths=_native.INCLUDE_DIRS,
+                            extra_cuda_cflags=_native.CUDA_FLAGS, extra_include_paths=_native.include_dirs(),
                             build_directory=str(ROOT / "build" / "jit" / "kvcanary_bench"))
 
 

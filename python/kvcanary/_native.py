@@ -104,14 +104,19 @@ def device_arch() -> str:
     return "9.0a"
 
 
+def set_cuda_build_env() -> None:
+    """Point tvm-ffi's CUDA JIT at this GPU's architecture and the toolkit root (also for other JIT-built kernels)."""
+    os.environ["TVM_FFI_CUDA_ARCH_LIST"] = device_arch()
+    os.environ.setdefault("CUDA_HOME", cuda_home())
+
+
 def build(kind: Kind) -> str:
     """Compile one module by JIT from the packaged sources into jit_dir(kind) and return the .so path (no load)."""
     name = MODULE_NAMES[kind]
     out_dir = jit_dir(kind)
     out_dir.mkdir(parents=True, exist_ok=True)
     if kind == "cuda":
-        os.environ["TVM_FFI_CUDA_ARCH_LIST"] = device_arch()
-        os.environ.setdefault("CUDA_HOME", cuda_home())
+        set_cuda_build_env()
         path: str = tvm_ffi.cpp.build(name, cuda_files=sources(kind), extra_cuda_cflags=CUDA_FLAGS,
                                       extra_include_paths=include_dirs(), build_directory=str(out_dir))
     else:

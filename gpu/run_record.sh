@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One single-GPU record on the installed wheel (its prebuilt CUDA module; the job stops if the loader would JIT):
+# every GPU test (CUDA ops bit-exact vs the torch reference, graph capture/replay, runtime, engine, default policy,
+# structural check, transformers), compute-sanitizer memcheck + racecheck on the bad-input fuzz, the quick benchmark
+# with and without the structural check, and the CUDA demo. Files in $OUT (at most 8): log.txt sanitizer.txt
+# demo_cuda.json bench_structural.{json,md} bench_no_structural.{json,md}.
+# Needs .whl with the tvm-ffi wheel (../shared/tools/fetch-gpu-wheels) and a kvcanary wheel (pip wheel --no-deps .
+# where nvcc is), and .hfproto/wheels/transformers-5.23.0 for the transformers tests. Usage: bash gpu/run_record.sh
+set -o pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+{
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl $(ls .hfproto/wheels/*.whl 2>/dev/null) || exit 1
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KVCANARY_RESULTS_DIR=/tmp/res HF_HUB_OFFLINE=1
+  export KVCANARY_CACHE_DIR=/tmp/kvcanary-jit
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+  python3 -c "from kvcanary import _native; l = _native.load('cuda'); print('cuda module', l.origin, l.path, \
+    _native.build_info()); raise SystemExit(l.origin != 'packaged')" || exit 1
+  echo "=== gpu tests $(date -u +%T)"
+  timeout 180 python3 -m pytest -q -m gpu tests --ignore=tests/disagg -p no:cacheprovider --tb=short --maxfail=40 \
+    2>&1 | tail -40
+  echo "=== sanitizer $(date -u +%T)"
+  { timeout 90 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 --print-limit 20 \
+      python3 -m tests.gpu.fuzz_bad_inputs --n 12 --large 1; echo "memcheck rc=$?"
+    timeout 70 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 9 --print-limit 20 \
+      python3 -m tests.gpu.fuzz_bad_inputs --n 3 --large 1; echo "racecheck rc=$?"; } > "$OUT/sanitizer.txt" 2>&1
+  grep -E "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.txt"
+  echo "=== bench $(date -u +%T)"
+  timeout 150 python3 -m bench.bench_gpu --quick --samples 20 --out /tmp/bench_structural | tail -50
+  timeout 80 python3 -m bench.bench_gpu --quick --no-structural --samples 20 --out /tmp/bench_no_structural \
+    --only "decode bs1 pre512,decode bs64 pre256,decode bs256 pre4096 ext1 K perm,extend bs1 pre0 ext4096" | tail -20
+  for variant in structural no_structural; do
+    for f in /tmp/bench_$variant/*.json /tmp/bench_$variant/*.md; do cp "$f" "$OUT/bench_$variant.${f##*.}"; done
+  done
+  echo "=== demo $(date -u +%T)"
+  timeout 90 python3 -m kvcanary demo --device cuda --json > "$OUT/demo_cuda.json"; echo "demo rc=$?"
+  echo "=== JIT builds during the run: $(find /tmp/kvcanary-jit -name '*.so' 2>/dev/null | wc -l) (0 expected)"
+  echo "=== done $(date -u +%T)"
+} 2>&1 | tee "$OUT/log.txt"
