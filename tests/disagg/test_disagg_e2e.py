@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -167,9 +166,9 @@ def test_corrupted_header_is_a_protocol_error_on_both_sides() -> None:
 
 
 def test_dead_decode_peer_is_a_typed_error_not_a_hang() -> None:
-    t0 = time.monotonic()
     r = run("full", FaultName.KILL_DECODE, target=1, timeout_s=20.0)
-    assert time.monotonic() - t0 < 15  # a closed connection is seen at once, long before the timeout
+    # a closed connection is seen at once: prefill's serving time (process start excluded) stays far below 20 s
+    assert r["seconds"]["prefill"] < 10
     assert r["errors"]["prefill"]["type"] == "PeerLostError"
     assert r["exitcodes"] == {"prefill": 0, "decode": 3}
     assert r["failed"]["req0"] == "decode role died" and set(r["failed"]) == {f"req{i}" for i in range(REQUESTS)}
@@ -177,7 +176,7 @@ def test_dead_decode_peer_is_a_typed_error_not_a_hang() -> None:
 
 def test_dead_prefill_peer_fails_its_request_and_decode_finishes_the_rest() -> None:
     r = run("swa", FaultName.KILL_PREFILL, target=2, timeout_s=20.0)
-    assert r["wall_s"] < 15  # seen at once, long before the payload timeout
+    assert r["seconds"]["decode"] < 10  # seen at once, long before the 20 s payload timeout (process start excluded)
     assert r["errors"]["decode"]["type"] == "PeerLostError"
     assert r["errors"]["decode"]["message"] == "decode: receive the payload of req2: prefill is gone"
     assert r["exitcodes"] == {"prefill": 3, "decode": 0}

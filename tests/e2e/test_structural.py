@@ -105,7 +105,8 @@ def test_log_mode_line_names_both_slots(caplog: pytest.LogCaptureFixture, backen
 @pytest.mark.parametrize("fault", ["padding_write_live_slot", "stale_out_cache_loc"])
 def test_switching_the_check_off_silences_the_forward(fault: str, backend: str) -> None:
     # fingerprints off too: the default policy's fingerprints also see a padding write (docs/defaults.md)
-    _, canary, fired = _run(fault, CanaryConfig(backend=backend, structural_check=False, fingerprint="none", seal=False))
+    config = CanaryConfig(backend=backend, structural_check=False, fingerprint="none", seal=False)
+    _, canary, fired = _run(fault, config)
     assert fired.first > 0
     assert not _structural(canary)
     assert all(d.forward > fired.first for d in canary.detections)
