@@ -170,8 +170,10 @@ class BatchView:
                                    f"token_capacity={token_capacity}")
         for name in ("input_ids", "positions", "out_cache_loc"):
             check_tensor(getattr(self, name), f"batch.{name}", dtype=_INDEX_DTYPES, ndim=1, device=device, shape=(n,))
-        check_tensor(self.req_to_token, "batch.req_to_token", dtype=_INDEX_DTYPES, ndim=2, device=device,
-                     shape=(pool.req_rows, pool.table_cols))
+        table = check_tensor(self.req_to_token, "batch.req_to_token", dtype=_INDEX_DTYPES, ndim=2, device=device)
+        if table.shape[1] != pool.table_cols or table.shape[0] > pool.req_rows:
+            raise CanaryInputError(f"batch.req_to_token has shape {tuple(table.shape)}, the pool's slot table is "
+                                   f"[<= {pool.req_rows}, {pool.table_cols}]")
         for name in ("request_ids", "prefix_lens_host", "extend_lens_host"):
             if len(getattr(self, name)) != bs:
                 raise CanaryInputError(f"batch.{name} has {len(getattr(self, name))} entries, batch size is {bs}")
