@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -272,18 +273,29 @@ class _SchedulerSide:
         self.manager: Any = None
         self.step = 0
         self.quarantined = 0
+        # what the workload exercised: preempted requests, prefix-cache hits, chunked prefills, mixed steps
+        self.counts: Counter[str] = Counter()
 
     def facts(self, so: Any) -> KVCanaryMetadata:
         self.step += 1
-        for rid in list(so.finished_req_ids) + list(so.preempted_req_ids or ()):
+        preempted = list(so.preempted_req_ids or ())
+        for rid in list(so.finished_req_ids) + preempted:
             self.hasher.drop(rid)
+        self.counts["preempted"] += len(preempted)
         reqs: dict[str, ReqFacts] = {}
+        kinds: set[str] = set()
         for rid, n in so.num_scheduled_tokens.items():
             req = self.reqs[rid]
-            pre = int(req.num_computed_tokens)
-            ep, en = chain_truth(self.hasher, rid, req.all_token_ids, pre, int(n))
-            reqs[rid] = ReqFacts(pre, int(n), ep, en)
-            self._place_blocks(rid, pre, int(n))
+            pre, ext = int(req.num_computed_tokens), int(n)
+            ep, en = chain_truth(self.hasher, rid, req.all_token_ids, pre, ext)
+            reqs[rid] = ReqFacts(pre, ext, ep, en)
+            self._place_blocks(rid, pre, ext)
+            prompt = int(req.num_prompt_tokens)
+            kinds.add("prefill" if pre < prompt else "decode")
+            self.counts["chunked"] += int(pre + ext < prompt)
+        for rid in so.scheduled_new_reqs:
+            self.counts["prefix_hits"] += int(rid.num_computed_tokens > 0)
+        self.counts["mixed_steps"] += int(len(kinds) == 2)
         iv = self.cfg.canary.sweep_interval
         export = self.export() if iv and self.step % iv == 0 and self.pool is not None else None
         return KVCanaryMetadata(self.step, reqs, export)
@@ -358,11 +370,13 @@ class _WorkerSide:
         self.bad_blocks: set[int] = set()
         self.stats = dict.fromkeys(_STATS_KEYS, 0)
         self.reports: list[WindowReport] = []
+        self.kv_caches: dict[str, torch.Tensor] = {}
         self.fingerprinted = ""  # the halves whose bytes the fingerprints cover ("KV", "V", or "" = none)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe the pool from the real per-layer tensors and install the canary."""
         self.runner = _find_model_runner()
+        self.kv_caches = kv_caches
         spec, cfg = self.spec, self.cfg.canary
         first = kv_caches[self.layers[0]]
         num_blocks, bs = int(first.shape[0]), int(spec.block_size)
