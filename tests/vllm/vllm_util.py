@@ -49,10 +49,13 @@ def core(llm: Any) -> Any:
 
 
 def connectors(llm: Any) -> tuple[Any, Any]:
-    """(scheduler-side, worker-side) KVCanaryConnector of an in-process engine."""
+    """(scheduler-side, worker-side) KVCanaryConnector of an in-process engine (also inside a MultiConnector)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    return core(llm).scheduler.connector, get_kv_transfer_group()
+    def canary(c: Any) -> Any:
+        return next(x for x in getattr(c, "_connectors", [c]) if type(x).__name__ == "KVCanaryConnector")
+
+    return canary(core(llm).scheduler.connector), canary(get_kv_transfer_group())
 
 
 def prompts(rng: random.Random, n: int, shared: list[int] | None = None, lo: int = 8, hi: int = 200) -> list[dict[str, Any]]:
