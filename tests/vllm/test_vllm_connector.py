@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +12,6 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from kvcanary_schema import FailReason, Stage  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
-
 from vllm_util import BLOCK, Driver, close, connectors, make_llm, tiny_llama  # noqa: E402
 
 BLOCKS = 40  # 1280 tokens of KV for 8 running requests of up to ~370 tokens: preemption
@@ -90,7 +88,8 @@ def _start(d: Driver, name: str, tokens: list[int], max_tokens: int = 24, steps:
 
 def _expect(found: list[Any], reason: FailReason, rid: str, step: int | None = None) -> list[Any]:
     hits = [v for v in found if v.reasons & reason and v.request_id == rid and (step is None or v.step == step)]
-    assert hits, f"no {reason.name} for {rid} at step {step}; got {[(v.reasons, v.request_id, v.step) for v in found][:6]}"
+    got = [(v.reasons, v.request_id, v.step) for v in found][:6]
+    assert hits, f"no {reason.name} for {rid} at step {step}; got {got}"
     return hits
 
 

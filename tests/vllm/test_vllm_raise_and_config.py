@@ -10,7 +10,6 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-
 from vllm_util import BLOCK, CONNECTOR, Driver, close, make_llm, tiny_llama  # noqa: E402
 
 
@@ -85,7 +84,8 @@ def test_stats_reach_vllm_and_its_prometheus_registry(raise_llm: Any) -> None:
     metrics = KVCanaryConnector.build_prom_metrics(raise_llm.llm_engine.vllm_config, types, ["engine"], {0: ["0"]})
     for x in stats:
         metrics.observe(x.reduce(), 0)
-    assert reg.get_sample_value("vllm:kvcanary_forwards_total", {"engine": "0"}) == sum(x.data["forwards"] for x in stats)
+    total = sum(x.data["forwards"] for x in stats)
+    assert reg.get_sample_value("vllm:kvcanary_forwards_total", {"engine": "0"}) == total
 
 
 def test_unknown_option_fails_at_engine_start(model: str) -> None:

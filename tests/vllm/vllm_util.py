@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +55,6 @@ def connectors(llm: Any) -> tuple[Any, Any]:
         return next(x for x in getattr(c, "_connectors", [c]) if type(x).__name__ == "KVCanaryConnector")
 
     return canary(core(llm).scheduler.connector), canary(get_kv_transfer_group())
-
-
-def prompts(rng: random.Random, n: int, shared: list[int] | None = None, lo: int = 8, hi: int = 200) -> list[dict[str, Any]]:
-    """Token-id prompts (optionally sharing a prefix)."""
-    out = []
-    for _ in range(n):
-        body = [rng.randrange(1, 500) for _ in range(rng.randint(lo, hi))]
-        out.append({"prompt_token_ids": (shared or []) + body})
-    return out
 
 
 def close(llm: Any) -> None:

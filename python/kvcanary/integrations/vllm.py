@@ -150,7 +150,8 @@ def _cpu_attn_probe(t: torch.Tensor, block: int, heads: int, head: int, isa: Any
 LAYOUT_PROBES: dict[str, ProbeFn] = {"CPU_ATTN": _cpu_attn_probe}
 
 
-def layer_sources(runs: tuple[HalfRuns, HalfRuns], tensor: torch.Tensor, block: int, head: int) -> list[list[SourceSpec]]:
+def layer_sources(runs: tuple[HalfRuns, HalfRuns], tensor: torch.Tensor, block: int,
+                  head: int) -> list[list[SourceSpec]]:
     """Fingerprint sources of one layer for each readable half (one per head: rows = blocks of ``block`` tokens of
     ``head`` contiguous elements); an unreadable half gets none."""
     if not tensor.is_contiguous():
@@ -387,8 +388,9 @@ class _WorkerSide:
         # block 0 is vLLM's null block (padding): reserved, never verified
         group = GroupSpec(Group.FULL, num_blocks * bs, halves, bs, sources=sources)
         sched = self.vllm_config.scheduler_config
-        pool = PoolDescription(num_blocks * bs, int(sched.max_num_seqs), int(self.vllm_config.model_config.max_model_len),
-                               [group], first.device, bs, table_page=bs)
+        max_len = int(self.vllm_config.model_config.max_model_len)
+        pool = PoolDescription(num_blocks * bs, int(sched.max_num_seqs), max_len, [group], first.device, bs,
+                               table_page=bs)
         run_cfg = cfg.replace(mode=CanaryMode.LOG, req_capacity=max(cfg.req_capacity, int(sched.max_num_seqs)),
                               token_capacity=max(cfg.token_capacity, int(sched.max_num_batched_tokens)))
         self.canary = install(pool, run_cfg, sinks=[self._on_report])

@@ -49,7 +49,8 @@ def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Ten
     """Verify every planned prefix entry of one stage and group, both halves, into ``sink``.
 
     ``table`` is the int32/int64 slot table ``[R, L]`` the plan was made from (a sweep's flat slots viewed as
-    ``[1, N]``), or with ``table_page`` > 1 a block table (see :func:`kvcanary.ops.plan.plan_forward`). HEAD stages take no fingerprint. Bad values inside tensors are counted as INPUT_ERROR rows.
+    ``[1, N]``), or with ``table_page`` > 1 a block table (see :func:`kvcanary.ops.plan.plan_forward`). HEAD stages
+    take no fingerprint. Bad values inside tensors are counted as INPUT_ERROR rows.
     """
     if not isinstance(group, GroupView):
         raise CanaryInputError(f"group must be a GroupView, got {type(group).__name__}")
