@@ -369,7 +369,8 @@ class _WorkerSide:
         self.runner: Any = None
         self.open = False
         self.bad_blocks: set[int] = set()
-        self.stats = dict.fromkeys(_STATS_KEYS, 0)
+        self.stats = dict.fromkeys(_STATS_KEYS, 0)  # since vLLM last collected them
+        self.host_us_total = 0  # the canary's own host time, all steps (benchmarks)
         self.reports: list[WindowReport] = []
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.fingerprinted = ""  # the halves whose bytes the fingerprints cover ("KV", "V", or "" = none)
@@ -454,7 +455,7 @@ class _WorkerSide:
         self.canary.begin_forward(batch)
         self.canary.pre_forward()
         self.open = True
-        self.stats["host_us"] += int(1e6 * (time.perf_counter() - t0))
+        self._host(t0)
 
     def end(self, meta: KVCanaryMetadata | None) -> None:
         """TAIL, the window's report, and the sweep on sweep steps."""
@@ -470,7 +471,12 @@ class _WorkerSide:
             self.canary.sweep(self._export(meta.export))
             self.canary.flush()
             self.stats["sweeps"] += 1
-        self.stats["host_us"] += int(1e6 * (time.perf_counter() - t0))
+        self._host(t0)
+
+    def _host(self, t0: float) -> None:
+        us = int(1e6 * (time.perf_counter() - t0))
+        self.stats["host_us"] += us
+        self.host_us_total += us
 
     def _export(self, e: CacheExport) -> PrefixCacheExport:
         bs, dev = self.block_size, self.canary.device if self.canary else torch.device("cpu")
