@@ -28,8 +28,10 @@ CONNECTOR = {"kv_connector": "KVCanaryConnector", "kv_connector_module_path": "k
              "kv_role": "kv_both"}
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "vllm": None,
-    "kvcanary (defaults: fingerprint none)": {"stats_interval": 0},
-    "kvcanary fingerprint=all, all layers": {"fingerprint": "all", "layer_coverage": "all", "stats_interval": 0},
+    "kvcanary defaults (torch backend, fingerprint none)": {"stats_interval": 0},
+    "kvcanary backend=cpu, fingerprint none": {"backend": "cpu", "stats_interval": 0},
+    "kvcanary backend=cpu, fingerprint=all, all layers": {"backend": "cpu", "fingerprint": "all",
+                                                          "layer_coverage": "all", "stats_interval": 0},
 }
 
 
@@ -95,7 +97,7 @@ def main() -> None:
     import vllm
 
     path = model(tempfile.mkdtemp(prefix="bench-llama-"))
-    sizes = {"decode": 24 if args.quick else 64, "prefill": 16 if args.quick else 48}
+    sizes = {"decode": 16 if args.quick else 48, "prefill": 12 if args.quick else 32}
     results: dict[str, Any] = {"vllm": vllm.__version__, "torch": torch.__version__, "machine": platform.processor()
                                or platform.machine(), "cpus": os.cpu_count(), "model": "Llama 4 layers, hidden 512, "
                                "8 heads / 4 KV heads (head 64), bf16, block 32", "workloads": {}}

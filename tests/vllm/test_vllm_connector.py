@@ -212,3 +212,17 @@ def test_whole_block_overwrite(llm: Any) -> None:
     hits = _expect(d.violations(), FailReason.VERIFY_FINGERPRINT, r, d.forwards)
     assert {v.slot // BLOCK for v in hits} == {dst}
     d.run()
+
+
+def test_log_mode_internal_failure_turns_the_canary_off_not_the_engine(llm: Any) -> None:
+    """(Last in this module: it switches the shared engine's canary off.)"""
+    d = _fresh(llm)
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected internal failure")
+
+    d.worker.canary.begin_forward = broken
+    d.add("after", list(range(1, 30)), 6)
+    d.run()
+    assert len(d.outputs["after"]) == 6
+    assert d.worker.canary is None and "injected" in str(d.conn.failures[-1])

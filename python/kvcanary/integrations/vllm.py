@@ -521,6 +521,7 @@ class KVCanaryConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if role == KVConnectorRole.SCHEDULER else None
         self.worker = _WorkerSide(self.cfg, vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
         self._pending_meta: KVCanaryMetadata | None = None
+        self.failures: list[Exception] = []  # LOG mode: internal failures that turned the canary off
 
     # ------------------------------------------------------------------ worker side
 
@@ -534,7 +535,7 @@ class KVCanaryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         self._pending_meta = meta
         if self.worker is not None:
-            self.worker.begin(meta, forward_context)
+            self._guarded(self.worker.begin, meta, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing is loaded."""
@@ -545,8 +546,19 @@ class KVCanaryConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         """TAIL after the forward, then the report and sweep."""
         if self.worker is not None:
-            self.worker.end(self._pending_meta)
+            self._guarded(self.worker.end, self._pending_meta)
         self._pending_meta = None
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run a bracket half; in LOG mode an internal failure turns the canary off (logged), never the engine."""
+        try:
+            fn(*args)
+        except Exception as e:
+            if self.mode == CanaryMode.RAISE or self.worker is None:
+                raise
+            logger.error("kvcanary: disabled after an internal failure: %r", e, exc_info=e)
+            self.failures.append(e)
+            self.worker.canary = None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """RAISE mode: the blocks found corrupted this step; vLLM fails the requests holding them
