@@ -270,6 +270,10 @@ class _SchedulerSide:
         self.hasher = ChainHasher()
         self.first_pos = np.full(num_blocks, -1, dtype=np.int64)
         self.parent = np.full(num_blocks, -1, dtype=np.int64)
+        # content generation of a block (bumped whenever it is written from its first token) and, per block, its
+        # parent's generation when it was written: a parent reused since then no longer precedes it
+        self.gen = np.zeros(num_blocks, dtype=np.int64)
+        self.parent_gen = np.zeros(num_blocks, dtype=np.int64)
         self.pool: Any = None
         self.manager: Any = None
         self.step = 0
@@ -309,8 +313,11 @@ class _SchedulerSide:
         first, last = pre // self.bs, (pre + ext - 1) // self.bs
         for k in range(first, min(last + 1, len(blocks))):
             b = blocks[k]
+            if k * self.bs >= pre:  # written from its first token: new content
+                self.gen[b] += 1
             self.first_pos[b] = k * self.bs
             self.parent[b] = blocks[k - 1] if k > 0 else -1
+            self.parent_gen[b] = self.gen[blocks[k - 1]] if k > 0 else 0
 
     def export(self) -> CacheExport:
         """Vectorized export of the cached blocks (those the pool holds a hash for) that chain to cached parents."""
@@ -321,8 +328,9 @@ class _SchedulerSide:
         par = self.parent[cached]
         mask = np.zeros(self.first_pos.shape[0], dtype=bool)
         mask[cached] = True
-        ok = (par < 0) | (mask[np.maximum(par, 0)] & (self.first_pos[np.maximum(par, 0)] + self.bs
-                                                        == self.first_pos[cached]))
+        p = np.maximum(par, 0)
+        ok = (par < 0) | (mask[p] & (self.first_pos[p] + self.bs == self.first_pos[cached])
+                          & (self.gen[p] == self.parent_gen[cached]))
         return CacheExport(cached[ok], self.first_pos[cached[ok]], par[ok])
 
     def quarantine(self, blocks: set[int]) -> None:
