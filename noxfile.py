@@ -103,7 +103,7 @@ def tests(session: nox.Session) -> None:
 def tests_vllm(session: nox.Session) -> None:
     """The vLLM connector tests on vLLM's CPU build, in their own venv (.venv-vllm); fails if vLLM is missing."""
     _ensure_vllm_venv(session)
-    session.run(str(VLLM_PY), "-m", "pytest", "-q", "tests/vllm", *session.posargs, external=True,
+    session.run(str(VLLM_PY), "-m", "pytest", "-q", "tests/vllm_connector", *session.posargs, external=True,
                 env={"KVCANARY_REQUIRE_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.config")
 
 import torch  # noqa: E402
 from kvcanary_schema import FailReason, Stage  # noqa: E402

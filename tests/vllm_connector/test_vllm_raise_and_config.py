@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm.config")
 
 import torch  # noqa: E402
 from vllm_util import BLOCK, CONNECTOR, Driver, close, make_llm, tiny_llama  # noqa: E402
