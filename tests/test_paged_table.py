@@ -34,13 +34,14 @@ def expand(blocks: list[list[int]], page: int) -> list[list[int]]:
 
 def _plan(table: torch.Tensor, page: int, rows: list[int], pre: list[int], ext: list[int], backend: str,
           window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    plan = torch.full((len(rows) + 4, NUM_PLAN_COLS), -9, dtype=torch.int64)
-    status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64)
+    dev = "cuda" if backend == "cuda" else "cpu"
+    plan = torch.full((len(rows) + 4, NUM_PLAN_COLS), -9, dtype=torch.int64, device=dev)
+    status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=dev)
     i64 = torch.int64
-    plan_forward(plan, status, torch.tensor(rows, dtype=i64), torch.tensor(pre, dtype=i64),
-                 torch.tensor(ext, dtype=i64), table, sum(max(e, 0) for e in ext), window=window, table_page=page,
-                 backend=backend)
-    return plan, status
+    plan_forward(plan, status, torch.tensor(rows, dtype=i64, device=dev), torch.tensor(pre, dtype=i64, device=dev),
+                 torch.tensor(ext, dtype=i64, device=dev), table.to(dev), sum(max(e, 0) for e in ext), window=window,
+                 table_page=page, backend=backend)
+    return plan.cpu(), status.cpu()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -156,3 +157,34 @@ def test_verify_differential_vs_expanded_table(page: int) -> None:
             assert torch.equal(sink.counters, counters_of(want)), backend
     assert seen_rows > 0  # the corruptions and bad block ids must produce rows, else this proves little
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page", PAGES)
+def test_cuda_paged_plan_and_verify_match_the_expanded_oracle(page: int) -> None:
+    rng = random.Random(3000 + page)
+    for _ in range(60):
+        blocks, S = _paged_case(rng, page)
+        wide = expand(blocks, page)
+        R, L = len(blocks), len(wide[0])
+        rows = [rng.randrange(R) for _ in range(rng.randint(1, R + 1))]
+        lengths = [rng.randint(0, L) for _ in range(R)]
+        pre = [rng.randint(0, lengths[r]) for r in rows]
+        ext = [rng.randint(0, L - p) for p in pre]
+        window = rng.choice([0, page + 1])
+        seg, st = oracle_forward(rows, pre, ext, wide, sum(ext), window=window)
+        paged = torch.tensor(blocks, dtype=rng.choice([torch.int32, torch.int64]))
+        plan, status = _plan(paged, page, rows, pre, ext, "cuda", window)
+        assert status.tolist() == st and plan[:len(seg)].tolist() == seg
+        records, _ = _records(rng, wide, S, None, lengths)
+        stage = rng.choice([Stage.HEAD, Stage.TAIL])
+        want = oracle_verify(GroupView(records, Group.FULL, 0), stage, plan, status,
+                             torch.tensor(wide, dtype=torch.int64), 7, None, None)
+        sink = Sink.allocate(4096, "cuda")
+        sink.step.fill_(7)
+        verify(GroupView(records.cuda(), Group.FULL, 0), stage, plan.cuda(), status.cuda(), paged.cuda(), sink,
+               table_page=page, backend="cuda")
+        got = [tuple(r) for r in sink.rows[:int(sink.count)].tolist()]
+        assert Counter(got) == Counter(want.rows)
+        assert torch.equal(sink.counters.cpu(), counters_of(want))
