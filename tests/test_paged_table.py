@@ -75,8 +75,8 @@ def test_bad_page_is_a_clear_error(backend: str) -> None:
         _plan(table, 1 << 40, [0], [1], [0], backend)
 
 
-def _paged_case(rng: random.Random, page: int) -> tuple[list[list[int]], int]:
-    """A random block table over ``nb`` blocks (permuted, some bad ids); returns (blocks, num_slots)."""
+def _paged_case(rng: random.Random, page: int) -> tuple[list[list[int]], int, list[list[int]]]:
+    """A random block table over ``nb`` blocks (permuted, some bad ids): (blocks, num_slots, expanded table)."""
     nb = rng.randint(2, 12)
     R, B = rng.randint(1, 5), rng.randint(1, 4)
     perm = list(range(nb))
@@ -84,15 +84,14 @@ def _paged_case(rng: random.Random, page: int) -> tuple[list[list[int]], int]:
     blocks = [[perm[(r * B + c) % nb] for c in range(B)] for r in range(R)]
     for _ in range(rng.choice([0, 0, 1, 2])):
         blocks[rng.randrange(R)][rng.randrange(B)] = rng.choice([-1, -3, nb, nb + 5])
-    return blocks, nb * page
+    return blocks, nb * page, expand(blocks, page)
 
 
 @pytest.mark.parametrize("page", PAGES)
 def test_plan_differential_vs_expanded_table(page: int) -> None:
     rng = random.Random(1000 + page)
     for _ in range(120):
-        blocks, _ = _paged_case(rng, page)
-        wide = expand(blocks, page)
+        blocks, _, wide = _paged_case(rng, page)
         R, L = len(blocks), len(wide[0])
         bs = rng.randint(0, R + 2)
         rows = [rng.choice([rng.randrange(R), rng.randrange(R), -1, R]) for _ in range(bs)]
@@ -131,8 +130,7 @@ def test_verify_differential_vs_expanded_table(page: int) -> None:
     rng = random.Random(2000 + page)
     seen_rows = 0
     for _ in range(60):
-        blocks, S = _paged_case(rng, page)
-        wide = expand(blocks, page)
+        blocks, S, wide = _paged_case(rng, page)
         R, L = len(blocks), len(wide[0])
         lengths = [rng.randint(0, L) for _ in range(R)]
         stage = rng.choice([Stage.HEAD, Stage.TAIL])
@@ -165,8 +163,7 @@ def test_verify_differential_vs_expanded_table(page: int) -> None:
 def test_cuda_paged_plan_and_verify_match_the_expanded_oracle(page: int) -> None:
     rng = random.Random(3000 + page)
     for _ in range(60):
-        blocks, S = _paged_case(rng, page)
-        wide = expand(blocks, page)
+        blocks, S, wide = _paged_case(rng, page)
         R, L = len(blocks), len(wide[0])
         rows = [rng.randrange(R) for _ in range(rng.randint(1, R + 1))]
         lengths = [rng.randint(0, L) for _ in range(R)]
