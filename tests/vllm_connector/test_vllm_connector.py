@@ -193,9 +193,10 @@ def test_freed_block_handed_to_a_new_request_while_in_use(llm: Any) -> None:
     finally:
         del pool.get_new_blocks
     assert d.blocks(new)[0] == stolen
-    # the new request's prefill overwrites the block's KV in the same forward in which the old request reads it
+    # the new request's prefill overwrites the block (KV and records) in the same forward in which the old request
+    # reads it: the block is shared, so the old request's rows are checked after that forward
     found = d.violations()
-    _expect(found, FailReason.VERIFY_FINGERPRINT, old, d.forwards)
+    _expect(found, FailReason.VERIFY_CHAIN | FailReason.VERIFY_FINGERPRINT, old, d.forwards)
     d.step()  # and its records from the next forward on
     _expect(d.violations(), FailReason.VERIFY_CHAIN, old, d.forwards)
     d.run()
@@ -212,6 +213,21 @@ def test_whole_block_overwrite(llm: Any) -> None:
     hits = _expect(d.violations(), FailReason.VERIFY_FINGERPRINT, r, d.forwards)
     assert {v.slot // BLOCK for v in hits} == {dst}
     d.run()
+
+
+def test_prefix_hit_on_blocks_computed_in_the_same_forward_is_clean(llm: Any) -> None:
+    """vLLM lets a request hit blocks another request of the same step computes; those rows are checked after the
+    forward (their HEAD would otherwise read records not written yet)."""
+    d = _fresh(llm)
+    rng = random.Random(6)
+    shared = _prompt(rng, BLOCK)
+    before = d.sched.sched.counts["same_step_hits"]
+    for k in range(3):
+        d.add(f"same{k}", shared + _prompt(rng, 5), 6)
+    d.run()
+    assert d.sched.sched.counts["same_step_hits"] > before
+    assert not d.violations()
+    assert all(len(d.outputs[f"same{k}"]) == 6 for k in range(3))
 
 
 def test_log_mode_internal_failure_turns_the_canary_off_not_the_engine(llm: Any) -> None:

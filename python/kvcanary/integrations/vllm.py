@@ -183,6 +183,9 @@ class ReqFacts:
     extend_len: int  # tokens scheduled now
     expect_prefix: int | None  # true chain value after the prefix (int64), None when unknown
     expect_new: int | None  # ... after the new tokens
+    # 0, or k > 0 when its prefix holds a block that a level k-1 request of this step writes (a prefix-cache hit on
+    # blocks computed in the same forward): its bracket runs after the forward, once those records exist
+    level: int = 0
 
 
 @dataclass
@@ -301,9 +304,35 @@ class _SchedulerSide:
         for rid in so.scheduled_new_reqs:
             self.counts["prefix_hits"] += int(rid.num_computed_tokens > 0)
         self.counts["mixed_steps"] += int(len(kinds) == 2)
+        self._levels(reqs)
         iv = self.cfg.canary.sweep_interval
         export = self.export() if iv and self.step % iv == 0 and self.pool is not None else None
         return KVCanaryMetadata(self.step, reqs, export)
+
+    def _levels(self, reqs: dict[str, ReqFacts]) -> None:
+        """Requests whose prefix holds blocks other requests write in this step (shared blocks: ref_cnt > 1). Costs
+        O(new blocks) per request; the prefixes are scanned only in steps that write a shared block."""
+        if self.manager is None or self.pool is None:
+            return
+        writer: dict[int, str] = {}
+        for rid, f in reqs.items():
+            blocks = self.manager.get_block_ids(rid)[0]
+            for k in range(f.prefix_len // self.bs, min((f.prefix_len + f.extend_len - 1) // self.bs + 1, len(blocks))):
+                if self.pool.blocks[blocks[k]].ref_cnt > 1:
+                    writer[blocks[k]] = rid
+        if not writer:
+            return
+        reads = {rid: [writer[b] for b in self.manager.get_block_ids(rid)[0][:f.prefix_len // self.bs]
+                       if writer.get(b, rid) != rid] for rid, f in reqs.items()}
+        for _ in range(len(reqs)):
+            changed = False
+            for rid, ws in reads.items():
+                lvl = max((reqs[w].level + 1 for w in ws), default=0)
+                if lvl > reqs[rid].level:
+                    reqs[rid].level, changed = lvl, True
+            if not changed:
+                break
+        self.counts["same_step_hits"] += sum(1 for f in reqs.values() if f.level)
 
     def _place_blocks(self, rid: str, pre: int, ext: int) -> None:
         """Record first position and parent of the blocks this step writes (O(new blocks))."""
@@ -381,6 +410,7 @@ class _WorkerSide:
         self.host_us_total = 0  # the canary's own host time, all steps (benchmarks)
         self.reports: list[WindowReport] = []
         self.kv_caches: dict[str, torch.Tensor] = {}
+        self.deferred: list[BatchView] = []  # higher-level rows of the open step (bracketed after the forward)
         self.fingerprinted = ""  # the halves whose bytes the fingerprints cover ("KV", "V", or "" = none)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -438,7 +468,9 @@ class _WorkerSide:
         return _get_attn_isa(dtype, bs, head, self.vllm_config.cache_config.cache_dtype)
 
     def begin(self, meta: KVCanaryMetadata, forward_context: Any) -> None:
-        """HEAD: the batch as vLLM runs it (its block table, slot mapping, fed tokens and positions)."""
+        """HEAD of the level-0 rows before the forward: the batch as vLLM runs it (its block table, slot mapping, fed
+        tokens and positions). Rows of a higher level are bracketed after the forward (:meth:`end`)."""
+        self.deferred = []
         if self.canary is None or not meta.reqs:
             return
         md = forward_context.attn_metadata
@@ -449,21 +481,36 @@ class _WorkerSide:
         n = int(attn.seq_lens.shape[0])
         rids = list(self.runner.input_batch.req_ids[:n])
         facts = [meta.reqs[r] for r in rids]
-        nt = sum(f.extend_len for f in facts)
+        levels = sorted({f.level for f in facts})
+        views = [self._view(attn, rids, facts, [i for i, f in enumerate(facts) if f.level == lvl]) for lvl in levels]
+        if levels[0] == 0:
+            self.canary.begin_forward(views[0])
+            self.canary.pre_forward()
+            self.open = True
+            views = views[1:]
+        self.deferred = views
+        self._host(t0)
+
+    def _view(self, attn: Any, rids: list[str], facts: list[ReqFacts], rows: list[int]) -> BatchView:
+        """The batch view of some rows (all rows: no copies; a subset: their token ranges gathered)."""
+        n, dev = len(rids), attn.block_table.device
         qsl = attn.query_start_loc[:n + 1].to(torch.int64)
         ext = qsl[1:] - qsl[:-1]
-        dev = attn.block_table.device
-        batch = BatchView(
-            req_pool_indices=torch.arange(n, dtype=torch.int64, device=dev), prefix_lens=attn.seq_lens[:n] - ext,
-            extend_lens=ext, req_to_token=attn.block_table[:n], input_ids=self.runner.input_ids.gpu[:nt],
-            positions=self.runner.positions[:nt], out_cache_loc=attn.slot_mapping[:nt], request_ids=rids,
-            req_pool_indices_host=range(n), prefix_lens_host=[f.prefix_len for f in facts],
-            extend_lens_host=[f.extend_len for f in facts],
-            expected_chains=[(f.expect_prefix, f.expect_new) for f in facts])
-        self.canary.begin_forward(batch)
-        self.canary.pre_forward()
-        self.open = True
-        self._host(t0)
+        pre = attn.seq_lens[:n] - ext
+        nt = sum(f.extend_len for f in facts)
+        ids, pos, loc = self.runner.input_ids.gpu[:nt], self.runner.positions[:nt], attn.slot_mapping[:nt]
+        if len(rows) < n:
+            starts = np.cumsum([0] + [f.extend_len for f in facts])
+            tok = torch.from_numpy(np.concatenate([np.arange(starts[i], starts[i + 1]) for i in rows])).to(dev)
+            sel = torch.tensor(rows, dtype=torch.int64, device=dev)
+            ids, pos, loc, ext, pre = ids[tok], pos[tok], loc[tok], ext[sel], pre[sel]
+        return BatchView(
+            req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=dev) if len(rows) < n else
+            torch.arange(n, dtype=torch.int64, device=dev), prefix_lens=pre, extend_lens=ext,
+            req_to_token=attn.block_table[:n], input_ids=ids, positions=pos, out_cache_loc=loc,
+            request_ids=[rids[i] for i in rows], req_pool_indices_host=rows,
+            prefix_lens_host=[facts[i].prefix_len for i in rows], extend_lens_host=[facts[i].extend_len for i in rows],
+            expected_chains=[(facts[i].expect_prefix, facts[i].expect_new) for i in rows])
 
     def end(self, meta: KVCanaryMetadata | None) -> None:
         """TAIL, the window's report, and the sweep on sweep steps."""
@@ -475,6 +522,11 @@ class _WorkerSide:
             self.canary.post_forward()
             self.canary.end_forward()
             self.stats["forwards"] += 1
+        for view in self.deferred:  # rows reading blocks written in this forward: checked now
+            with self.canary.forward(view):
+                self.canary.pre_forward()
+                self.canary.post_forward()
+        self.deferred = []
         if meta is not None and meta.export is not None and meta.export.blocks.size:
             self.canary.sweep(self._export(meta.export))
             self.canary.flush()
