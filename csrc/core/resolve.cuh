@@ -34,15 +34,25 @@ KVC_HD Resolved resolve_slot(const GroupView& g, int64_t t) {
   return Resolved{SlotStatus::kOk, t};
 }
 
-// Slot-table read that works for int32 and int64 tables (row stride in elements).
+// Slot-table read that works for int32 and int64 tables. With page == 1 an entry is a slot (req_to_token); with
+// page > 1 an entry is a block id (a paged block table): slot = table[r, c / page] * page + c % page, and a negative
+// block id reads as itself (an input error, never a slot). `cols` is the logical row length (stride * page).
 struct SlotTable {
   const void* data;
   bool is_i32;
   int64_t rows;
-  int64_t cols;
-  KVC_HD int64_t at(int64_t r, int64_t c) const {
-    const int64_t k = r * cols + c;
+  int64_t cols;    // logical columns (positions) per row
+  int64_t stride;  // stored entries per row
+  int64_t page;    // slots per entry (>= 1)
+  KVC_HD int64_t entry(int64_t r, int64_t e) const {
+    const int64_t k = r * stride + e;
     return is_i32 ? static_cast<int64_t>(static_cast<const int32_t*>(data)[k]) : static_cast<const int64_t*>(data)[k];
+  }
+  KVC_HD int64_t at(int64_t r, int64_t c) const {
+    if (page == 1) return entry(r, c);
+    const int64_t b = entry(r, c / page);
+    return b < 0 ? b : static_cast<int64_t>(static_cast<uint64_t>(b) * static_cast<uint64_t>(page) +
+                                            static_cast<uint64_t>(c % page));
   }
 };
 

@@ -8,6 +8,7 @@
 #include <initializer_list>
 
 #include "common.cuh"
+#include "resolve.cuh"
 
 namespace kvcanary {
 
@@ -62,6 +63,15 @@ inline void check_slot_table(const TensorView& t, const TensorView& ref, const c
   check_ndim(t, 2, name);
   check_contiguous(t, name);
   check_same_device(t, ref, name, ref_name);
+}
+// The accessor over a checked slot table of `page` slots per entry (page >= 1; the logical row length
+// stride * page must not overflow).
+inline SlotTable slot_table_of(const TensorView& t, int64_t page, const char* name) {
+  TVM_FFI_CHECK(page >= 1, ValueError) << name << ": page size must be >= 1, got " << page;
+  const int64_t stride = t.size(1);
+  TVM_FFI_CHECK(stride <= (int64_t{1} << 40) / page, ValueError)
+      << name << ": " << stride << " entries x page " << page << " exceed the position range";
+  return SlotTable{t.data_ptr(), is_i32(t), t.size(0), stride * page, stride, page};
 }
 // A plan int64 [cap, NUM_PLAN_COLS] and its status int64 [NUM_PLAN_STATUS_COLS], on `ref`'s device.
 inline void check_plan_status(const TensorView& plan, const TensorView& status, const TensorView& ref,

@@ -25,7 +25,7 @@ inline VerifyArgs make_verify_args(DLDeviceType device, TensorView records, Tens
                                    TensorView status, TensorView table, TensorView ring_rows, TensorView ring_count,
                                    TensorView counters, TensorView step, TensorView pool_tokens, TensorView pool_lens,
                                    int64_t has_pool, int64_t token_offset, TensorView fp_table, int64_t fp_mode,
-                                   int64_t fp_layer_stride) {
+                                   int64_t fp_layer_stride, int64_t table_page) {
   check_i64_tensor(records, records, 3, "records", "records");
   check_device_type(records, device, "records");
   const int64_t num_slots = records.size(0), halves = records.size(1);
@@ -68,7 +68,7 @@ inline VerifyArgs make_verify_args(DLDeviceType device, TensorView records, Tens
   P.group = GroupView{num_slots, reserved_slots,
                       has_swa_map != 0 ? static_cast<const int64_t*>(swa_map.data_ptr()) : nullptr,
                       has_swa_map != 0 ? swa_map.size(0) : 0};
-  P.table = SlotTable{table.data_ptr(), is_i32(table), table.size(0), table.size(1)};
+  P.table = slot_table_of(table, table_page, "table");
   P.tags[0] = tag_k;
   P.tags[1] = halves == 2 ? tag_v : tag_k;
   P.sink = SinkView{static_cast<int64_t*>(ring_rows.data_ptr()), static_cast<int64_t*>(ring_count.data_ptr()),

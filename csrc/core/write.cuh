@@ -318,7 +318,8 @@ inline WriteArgs make_write_args(TensorView records, TensorView swa_map, int64_t
                                  TensorView input_ids, TensorView positions, TensorView out_cache_loc,
                                  TensorView ring_rows, TensorView ring_count, TensorView counters, TensorView step,
                                  int64_t checks, TensorView pool_tokens, TensorView pool_lens, int64_t has_pool,
-                                 int64_t token_offset, TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride) {
+                                 int64_t token_offset, TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride,
+                                 int64_t table_page) {
   check_i64_tensor(records, records, 3, "records", "records");
   constexpr int64_t kFields = static_cast<int64_t>(sizeof(CanaryRecord) / sizeof(int64_t));
   TVM_FFI_CHECK(records.size(2) == kFields && (records.size(1) == 1 || records.size(1) == MAX_HALVES), ValueError)
@@ -371,7 +372,7 @@ inline WriteArgs make_write_args(TensorView records, TensorView swa_map, int64_t
   a.positions = static_cast<const int64_t*>(positions.data_ptr());
   a.out_cache_loc = static_cast<const int64_t*>(out_cache_loc.data_ptr());
   a.num_tokens = num_tokens;
-  a.table = SlotTable{table.data_ptr(), is_i32(table), table.size(0), table.size(1)};
+  a.table = slot_table_of(table, table_page, "table");
   a.tags[0] = tag0;
   a.tags[1] = tag1;
   a.sink = SinkView{static_cast<int64_t*>(ring_rows.data_ptr()), static_cast<int64_t*>(ring_count.data_ptr()),

@@ -1,10 +1,12 @@
 // CPU entry points of the plan ops (docs/ops-contract.md 2-3). Native signatures (identical in csrc/cuda/plan.cu):
 //   plan_forward(plan, status, req_pool_indices, prefix_lens, extend_lens, req_to_token,
-//                expect_prefix, has_expect_prefix, expect_new, has_expect_new, num_tokens, window, padding_row)
+//                expect_prefix, has_expect_prefix, expect_new, has_expect_new, num_tokens, window, padding_row,
+//                table_page)
 //     (all scalars and has_* flags int64)
 //     plan int64 [cap, NUM_PLAN_COLS], status int64 [NUM_PLAN_STATUS_COLS] (overwritten), req_pool_indices /
 //     prefix_lens / extend_lens int64 [bs] (cap >= bs), req_to_token int32|int64 [R, L], expect_* int64 [bs] or a
-//     0-element int64 tensor with has_* = 0; num_tokens >= 0, window >= 0, padding_row >= -1 (int64 scalars).
+//     0-element int64 tensor with has_* = 0; num_tokens >= 0, window >= 0, padding_row >= -1, table_page >= 1
+//     (slots per table entry: 1 = req_to_token, else a block table with slot = table[r, c / page] * page + c % page).
 //   plan_sweep(plan, status, slots, starts, lens, first_positions, prev_slots, expect_end, has_expect_end)
 //     slots int64 [N]; starts / lens / first_positions / prev_slots int64 [n] (cap >= n); expect_end int64 [n] or
 //     a 0-element int64 tensor with has_expect_end = 0.
@@ -51,7 +53,7 @@ void set_status(int64_t* st, int64_t segments, int64_t verify_entries, int64_t w
 void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indices, TensorView prefix_lens,
                   TensorView extend_lens, TensorView req_to_token, TensorView expect_prefix, int64_t has_expect_prefix,
                   TensorView expect_new, int64_t has_expect_new, int64_t num_tokens, int64_t window,
-                  int64_t padding_row) {
+                  int64_t padding_row, int64_t table_page) {
   check_i64_tensor(req_pool_indices, req_pool_indices, 1, "req_pool_indices", "req_pool_indices");
   check_device_type(req_pool_indices, kDLCPU, "req_pool_indices");
   const int64_t bs = req_pool_indices.size(0);
@@ -72,7 +74,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
   const auto* ext = static_cast<const int64_t*>(extend_lens.data_ptr());
   const auto* ep = static_cast<const int64_t*>(expect_prefix.data_ptr());
   const auto* en = static_cast<const int64_t*>(expect_new.data_ptr());
-  const SlotTable table{req_to_token.data_ptr(), is_i32(req_to_token), req_to_token.size(0), req_to_token.size(1)};
+  const SlotTable table = slot_table_of(req_to_token, table_page, "req_to_token");
   auto* out = static_cast<int64_t*>(plan.data_ptr());
 
   int64_t tok = 0, segments = 0, verify_entries = 0, write_entries = 0, errors = 0, overflow = 0;

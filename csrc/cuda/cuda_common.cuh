@@ -217,9 +217,9 @@ __device__ __forceinline__ void store_record(int64_t* records, int64_t index, co
 // Speculative L1 prefetch (no effect on results; the caller passes an address inside its tensor).
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
-// L1 prefetch of table element (r, c) (the caller checks it is inside the table).
+// L1 prefetch of the table entry holding position (r, c) (the caller checks it is inside the table).
 __device__ __forceinline__ void prefetch_table(const SlotTable& t, int64_t r, int64_t c) {
-  const int64_t k = r * t.cols + c;
+  const int64_t k = r * t.stride + c / t.page;
   prefetch_l1(t.is_i32 ? static_cast<const void*>(static_cast<const int32_t*>(t.data) + k)
                        : static_cast<const void*>(static_cast<const int64_t*>(t.data) + k));
 }

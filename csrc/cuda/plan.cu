@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_sweep_kernel(PlanSweepAr
 void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indices, TensorView prefix_lens,
                   TensorView extend_lens, TensorView req_to_token, TensorView expect_prefix, int64_t has_expect_prefix,
                   TensorView expect_new, int64_t has_expect_new, int64_t num_tokens, int64_t window,
-                  int64_t padding_row) {
+                  int64_t padding_row, int64_t table_page) {
   check_cuda(plan, "plan");
   check_i64_tensor(plan, plan, 2, "plan", "plan");
   check_dim(plan, 1, kNumPlanCols, "plan");
@@ -169,8 +169,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
                     static_cast<const int64_t*>(extend_lens.data_ptr()),
                     has_expect_prefix ? static_cast<const int64_t*>(expect_prefix.data_ptr()) : nullptr,
                     has_expect_new ? static_cast<const int64_t*>(expect_new.data_ptr()) : nullptr,
-                    SlotTable{req_to_token.data_ptr(), is_i32(req_to_token), req_to_token.size(0),
-                              req_to_token.size(1)},
+                    slot_table_of(req_to_token, table_page, "req_to_token"),
                     bs,
                     num_tokens,
                     window,

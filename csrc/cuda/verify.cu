@@ -214,10 +214,11 @@ std::array<std::atomic<int>, kMaxDevices> g_verify_occupancy[MAX_HALVES]{};
 void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t reserved_slots, int64_t tag_k,
             int64_t tag_v, TensorView plan, TensorView status, TensorView table, TensorView ring_rows,
             TensorView ring_count, TensorView counters, TensorView step, TensorView pool_tokens, TensorView pool_lens,
-            int64_t has_pool, int64_t token_offset, TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride) {
+            int64_t has_pool, int64_t token_offset, TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride,
+            int64_t table_page) {
   const VerifyArgs a = make_verify_args(kDLCUDA, records, swa_map, has_swa_map, reserved_slots, tag_k, tag_v, plan,
                                         status, table, ring_rows, ring_count, counters, step, pool_tokens, pool_lens,
-                                        has_pool, token_offset, fp_table, fp_mode, fp_layer_stride);
+                                        has_pool, token_offset, fp_table, fp_mode, fp_layer_stride, table_page);
   const int64_t halves = a.P.halves;
   VerifyLaunch L{};
   L.P = a.P;
@@ -233,9 +234,8 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
   auto* kernel = halves == 2 ? verify_kernel<2> : verify_kernel<1>;
   const int64_t full = static_cast<int64_t>(sm_count(dev.device_id)) *
                        resident_blocks(kernel, kVerifyThreads, dev.device_id, g_verify_occupancy[halves - 1]);
-  const int64_t most = table.size(1) > 0 && plan.size(0) > (int64_t{1} << 40) / table.size(1)
-                           ? (int64_t{1} << 40)
-                           : plan.size(0) * table.size(1);
+  const int64_t cols = a.P.table.cols;
+  const int64_t most = cols > 0 && plan.size(0) > (int64_t{1} << 40) / cols ? (int64_t{1} << 40) : plan.size(0) * cols;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(full, ceil_div(most, kVerifyThreads))));
   kernel<<<grid, kVerifyThreads, 0, stream_of(dev)>>>(L);
   check_launch();

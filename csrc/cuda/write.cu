@@ -434,12 +434,12 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
            TensorView plan, TensorView status, TensorView table, TensorView input_ids, TensorView positions,
            TensorView out_cache_loc, TensorView ring_rows, TensorView ring_count, TensorView counters, TensorView step,
            int64_t checks, TensorView pool_tokens, TensorView pool_lens, int64_t has_pool, int64_t token_offset,
-           TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride) {
+           TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride, int64_t table_page) {
   check_cuda(records, "records");
   const WriteArgs a = make_write_args(records, swa_map, is_swa, reserved_slots, tag0, tag1, plan, status, table,
                                       input_ids, positions, out_cache_loc, ring_rows, ring_count, counters, step,
                                       checks, pool_tokens, pool_lens, has_pool, token_offset, fp_table, fp_mode,
-                                      fp_layer_stride);
+                                      fp_layer_stride, table_page);
   const DLDevice dev = records.device();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const cudaStream_t stream = stream_of(dev);

@@ -84,6 +84,14 @@ class PoolDescription:
     page_size: int = 1
     padding_row: int = -1  # req_to_token row of padded batch entries; -1 = none
     token_offset: int = 0  # draft (EAGLE-style) pools: slot at position p holds KV of the token at p + 1
+    # slots per slot-table entry: 1 = req_to_token [req_rows, max_context] of slots; P > 1 = a block table
+    # [req_rows, ceil(max_context / P)] of block ids, slot = table[r, c // P] * P + c % P (vLLM's block tables)
+    table_page: int = 1
+
+    @property
+    def table_cols(self) -> int:
+        """Entries per row of the slot table the batches carry."""
+        return -(-self.max_context // self.table_page)
 
     @property
     def resolved_device(self) -> torch.device:
@@ -95,7 +103,7 @@ class PoolDescription:
 
     def validate(self) -> None:
         """Raise CanaryInputError naming the first inconsistent field."""
-        for knob in ("num_slots", "req_rows", "max_context", "page_size"):
+        for knob in ("num_slots", "req_rows", "max_context", "page_size", "table_page"):
             if getattr(self, knob) < 1:
                 raise CanaryInputError(f"PoolDescription.{knob} must be >= 1, got {getattr(self, knob)}")
         if not -1 <= self.padding_row < self.req_rows:
@@ -123,7 +131,7 @@ class BatchView:
     req_pool_indices: torch.Tensor  # int32/int64 [bs]
     prefix_lens: torch.Tensor  # [bs]
     extend_lens: torch.Tensor  # [bs]
-    req_to_token: torch.Tensor  # int32/int64 [R, L]
+    req_to_token: torch.Tensor  # int32/int64 [R, L] (a block table [R, ceil(L / P)] when the pool's table_page P > 1)
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     out_cache_loc: torch.Tensor  # [num_tokens], table-space slots, negative = skipped
@@ -133,6 +141,9 @@ class BatchView:
     extend_lens_host: Sequence[int]
     true_tokens: Sequence[Sequence[int]] | None = None
     token_offset: int | None = None  # None: the pool's
+    # token truth computed by the engine (e.g. vLLM's scheduler, kvcanary.truth.chain_truth): per row
+    # (expect_prefix, expect_new) as int64 chain values, None where unknown; used instead of true_tokens
+    expected_chains: Sequence[tuple[int | None, int | None]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -159,13 +170,17 @@ class BatchView:
                                    f"token_capacity={token_capacity}")
         for name in ("input_ids", "positions", "out_cache_loc"):
             check_tensor(getattr(self, name), f"batch.{name}", dtype=_INDEX_DTYPES, ndim=1, device=device, shape=(n,))
-        check_tensor(self.req_to_token, "batch.req_to_token", dtype=_INDEX_DTYPES, ndim=2, device=device,
-                     shape=(pool.req_rows, pool.max_context))
+        table = check_tensor(self.req_to_token, "batch.req_to_token", dtype=_INDEX_DTYPES, ndim=2, device=device)
+        if table.shape[1] != pool.table_cols or table.shape[0] > pool.req_rows:
+            raise CanaryInputError(f"batch.req_to_token has shape {tuple(table.shape)}, the pool's slot table is "
+                                   f"[<= {pool.req_rows}, {pool.table_cols}]")
         for name in ("request_ids", "prefix_lens_host", "extend_lens_host"):
             if len(getattr(self, name)) != bs:
                 raise CanaryInputError(f"batch.{name} has {len(getattr(self, name))} entries, batch size is {bs}")
-        if self.true_tokens is not None and len(self.true_tokens) != bs:
-            raise CanaryInputError(f"batch.true_tokens has {len(self.true_tokens)} entries, batch size is {bs}")
+        for name in ("true_tokens", "expected_chains"):
+            value = getattr(self, name)
+            if value is not None and len(value) != bs:
+                raise CanaryInputError(f"batch.{name} has {len(value)} entries, batch size is {bs}")
         if sum(max(0, e) for e in self.extend_lens_host) > n:
             raise CanaryInputError(f"batch.extend_lens_host sums to more than the {n} new tokens")
         if self.token_offset is not None and self.token_offset < 0:

@@ -33,7 +33,6 @@ from kvcanary.adapter import BatchView, EngineAdapter, PoolDescription, PrefixCa
 from kvcanary.config import CanaryConfig, CanaryMode, CoveragePolicy
 from kvcanary.errors import CanaryInputError, KVCanaryError, KVCanaryInternalError
 from kvcanary.health import CanaryHealthError, Health, HealthProblem
-from kvcanary.ops.hashes import to_i64
 from kvcanary.ops.plan import plan_forward
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.types import check_backend
@@ -53,7 +52,7 @@ from kvcanary.report import (
 )
 from kvcanary.state import CanaryState, GroupState
 from kvcanary.sweep import Sweeper, SweepSlice, filter_export
-from kvcanary.truth import ChainHasher
+from kvcanary.truth import ChainHasher, chain_truth
 
 logger = logging.getLogger("kvcanary")
 
@@ -121,6 +120,8 @@ class CanaryManager:
         if not self.enabled:
             return
         pool.validate()
+        if pool.table_page > 1 and config.perturb.enabled:
+            raise CanaryInputError("perturbation edits per-token slot tables: it needs PoolDescription.table_page == 1")
         self.device = pool.resolved_device
         self.backend = check_backend(config.resolved_backend(self.device.type), self.device)
         self.state = CanaryState(pool, config)
@@ -241,7 +242,7 @@ class CanaryManager:
                 self._write(g, Stage.HEAD)
             if g.reuse_plan is not None and g.reuse_status is not None:
                 verify(g.head, Stage.TAIL, g.reuse_plan, g.reuse_status, self._slot_table(), st.sink,
-                       fingerprint=g.seal, backend=self.backend)
+                       fingerprint=g.seal, table_page=self.pool.table_page, backend=self.backend)
             self._verify(g, Stage.TAIL)
             self._write(g, Stage.TAIL)
         st.post_tick.add_(1)
@@ -369,7 +370,8 @@ class CanaryManager:
         plan_forward(g.plan, g.status, st.req_pool_indices[:bs], st.prefix_lens[:bs], st.extend_lens[:bs],
                      self._slot_table(), nt, window=window, padding_row=self.pool.padding_row,
                      expect_prefix=st.expect_prefix[:bs] if chain else None,
-                     expect_new=st.expect_new[:bs] if chain else None, backend=self.backend)
+                     expect_new=st.expect_new[:bs] if chain else None, table_page=self.pool.table_page,
+                     backend=self.backend)
         if chain and (self._mask_needed or self._kind == ForwardKind.CAPTURE):  # EXPECT_* only where truth is known
             torch.clamp(g.plan[:, PlanCol.BATCH_INDEX], 0, cfg.req_capacity - 1, out=st.seg_index)
             torch.index_select(st.flag_mask, 0, st.seg_index, out=st.seg_mask)
@@ -377,27 +379,29 @@ class CanaryManager:
         if g.stripe_plan is not None and g.stripe_status is not None:
             plan_forward(g.stripe_plan, g.stripe_status, st.req_pool_indices[:bs], st.stripe_end[:bs],
                          st.zeros[:bs], self._slot_table(), nt, window=cfg.stripe_size,
-                         padding_row=self.pool.padding_row,
-                         backend=self.backend)
+                         padding_row=self.pool.padding_row, table_page=self.pool.table_page, backend=self.backend)
         if g.reuse_plan is not None and g.reuse_status is not None:  # [0, reuse_end): the whole reused prefix
             plan_forward(g.reuse_plan, g.reuse_status, st.req_pool_indices[:bs], st.reuse_end[:bs], st.zeros[:bs],
-                         self._slot_table(), nt, window=0, padding_row=self.pool.padding_row, backend=self.backend)
+                         self._slot_table(), nt, window=0, padding_row=self.pool.padding_row,
+                         table_page=self.pool.table_page, backend=self.backend)
 
     def _verify(self, g: GroupState, stage: Stage) -> None:
         st = self.state
         fp = g.fingerprint if stage == Stage.TAIL else None
+        page = self.pool.table_page
         verify(g.views(stage), stage, g.plan, g.status, self._slot_table(), st.sink, token_pool=st.token_pool,
-               fingerprint=fp, backend=self.backend)
+               fingerprint=fp, table_page=page, backend=self.backend)
         if g.stripe_plan is not None and g.stripe_status is not None:
             verify(g.views(stage), stage, g.stripe_plan, g.stripe_status, self._slot_table(), st.sink,
-                   token_pool=st.token_pool, fingerprint=fp, backend=self.backend)
+                   token_pool=st.token_pool, fingerprint=fp, table_page=page, backend=self.backend)
 
     def _write(self, g: GroupState, stage: Stage) -> None:
         st, nt = self.state, self._nt
         checks = self._checks | (self._structural if stage == Stage.HEAD and g is st.groups[0] else 0)
         write(g.views(stage), stage, g.plan, g.status, self._slot_table(), st.input_ids[:nt], st.positions[:nt],
               st.out_cache_loc[:nt], st.sink, checks=checks, token_pool=st.token_pool,
-              fingerprint=g.fingerprint if stage == Stage.TAIL else g.seal, backend=self.backend)
+              fingerprint=g.fingerprint if stage == Stage.TAIL else g.seal, table_page=self.pool.table_page,
+              backend=self.backend)
 
     def _launches_per_forward(self) -> torch.Tensor:
         """[NUM_LAUNCH_TAGS, 2]: (verify, write) launches one forward makes per tag."""
@@ -442,11 +446,12 @@ class CanaryManager:
         """Token truth (chain values / expected-token pool) and stripe ends into the static buffers."""
         cfg, st, bs = self.config, self.state, batch.batch_size
         truth = batch.true_tokens if cfg.token_truth != TokenTruth.OFF else None
+        given = batch.expected_chains is not None and cfg.token_truth == TokenTruth.CHAIN
         offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
         if offset != self.hasher.offset:
             self.hasher = ChainHasher(offset)
         stripe = cfg.coverage == CoveragePolicy.WINDOW
-        chain = truth is not None and cfg.token_truth == TokenTruth.CHAIN
+        chain = given or (truth is not None and cfg.token_truth == TokenTruth.CHAIN)
         rows: list[list[int]] = [[0] * bs, [0] * bs, [_KEEP_ALL] * bs, [0] * bs, [0] * bs]
         pool_req: list[tuple[int, int, int, Sequence[int]]] = []
         for i in range(bs):
@@ -461,6 +466,9 @@ class CanaryManager:
                 rows[3][i] = self._stripe(rid, pre, kind)
             elif kind != ForwardKind.CAPTURE:
                 self.health.coverage.observe(rid, pre, pre)
+            if chain and batch.expected_chains is not None:
+                rows[0][i], rows[1][i], rows[2][i] = _chain_row(pre, *batch.expected_chains[i])
+                continue
             if truth is None:
                 rows[2][i] = _NO_PREFIX & _NO_NEW
                 continue
@@ -489,25 +497,7 @@ class CanaryManager:
 
     def _chain_truth(self, rid: Hashable, hist: Sequence[int], pre: int, ext: int, offset: int) -> tuple[int, int, int]:
         """(expect_prefix, expect_new, flag mask) from the true history, in O(new tokens)."""
-        hs, known = self.hasher, len(hist)
-        want_pre, want_new = pre + offset, pre + ext + offset
-        n = hs.length(rid)
-        if n > want_pre:
-            hs.drop(rid)  # history rewound (retract, rollback): rebuild once
-            n = 0
-        reach = min(known, want_pre)
-        h = hs.extend(rid, hist[n:reach], n) if reach > n else hs.value(rid)
-        mask, ep, en = _KEEP_ALL, 0, 0
-        at_pre = max(n, reach) == want_pre
-        if pre > 0 and at_pre:
-            ep = to_i64(h)
-        elif pre > 0:  # (an empty prefix has no entry to check)
-            mask &= _NO_PREFIX
-        if ext > 0 and known >= want_new and at_pre:
-            en = to_i64(hs.extend(rid, hist[want_pre:want_new], want_pre))
-        else:
-            mask &= _NO_NEW
-        return ep, en, mask
+        return _chain_row(pre, *chain_truth(self.hasher, rid, hist, pre, ext, offset))
 
     def _pool_truth(self, rid: Hashable, row: int, hist: Sequence[int], need: int) -> tuple[int, int, int,
                                                                                              Sequence[int]]:
@@ -693,6 +683,12 @@ class CanaryManager:
         hard = [pr for pr in problems if pr.kind in ("watchdog", "phase")]
         if hard:
             raise CanaryHealthError("; ".join(pr.message for pr in hard))
+
+
+def _chain_row(pre: int, ep: int | None, en: int | None) -> tuple[int, int, int]:
+    """(expect_prefix, expect_new, flag mask) of one request: unknown values drop their EXPECT_* flag."""
+    mask = (_NO_PREFIX if pre > 0 and ep is None else _KEEP_ALL) & (_NO_NEW if en is None else _KEEP_ALL)
+    return ep or 0, en or 0, mask
 
 
 def install(pool: PoolDescription | EngineAdapter, config: CanaryConfig | None = None, *,

@@ -98,3 +98,25 @@ class ChainHasher:
             raise CanaryInputError("keys, tokens and start_positions must have the same length")
         new = [H.to_i64(self.extend(k, t, s)) for k, t, s in zip(keys, tokens, start_positions, strict=True)]
         return torch.tensor(new, dtype=torch.int64, device=device)
+
+
+def chain_truth(hasher: ChainHasher, key: Hashable, history: Sequence[int], prefix_len: int, extend_len: int,
+                offset: int = 0) -> tuple[int | None, int | None]:
+    """Expected chain values (int64 bit-cast) of one request's forward, from its true ``history`` (prompt + committed
+    outputs), advancing ``hasher`` in O(new tokens): ``(expect_prefix, expect_new)``, each None where unknown (no
+    prefix, history not yet known that far, or a prefix the hasher cannot reach). A rewound history (retract,
+    rollback) is rebuilt once."""
+    known = len(history)
+    want_pre, want_new = prefix_len + offset, prefix_len + extend_len + offset
+    n = hasher.length(key)
+    if n > want_pre:
+        hasher.drop(key)
+        n = 0
+    reach = min(known, want_pre)
+    h = hasher.extend(key, history[n:reach], n) if reach > n else hasher.value(key)
+    at_pre = max(n, reach) == want_pre
+    ep = H.to_i64(h) if prefix_len > 0 and at_pre else None
+    en = None
+    if extend_len > 0 and known >= want_new and at_pre:
+        en = H.to_i64(hasher.extend(key, history[want_pre:want_new], want_pre))
+    return ep, en

@@ -7,7 +7,10 @@ from kvcanary_schema import NO_SLOT, NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, PlanCo
 
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
+from kvcanary.ops.shared import table_slots
 from kvcanary.ops.types import check_backend, check_tensor
+
+_MAX_TABLE_POSITIONS = 1 << 40  # logical row length bound (csrc/core/tensor_checks.h slot_table_of)
 
 _EMPTY: dict[torch.device, torch.Tensor] = {}
 
@@ -35,15 +38,24 @@ def _check_scalar(v: object, name: str, lo: int) -> int:
     return v
 
 
+def check_table_page(table: torch.Tensor, table_page: int) -> int:
+    """``table_page`` (slots per slot-table entry) as an int >= 1 whose logical row length stays in range."""
+    page = _check_scalar(table_page, "table_page", 1)
+    if table.shape[1] > _MAX_TABLE_POSITIONS // page:
+        raise CanaryInputError(f"slot table of {table.shape[1]} entries x table_page {page} exceeds the position range")
+    return page
+
+
 def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                  extend_lens: torch.Tensor, req_to_token: torch.Tensor, num_tokens: int, *, window: int = 0,
                  padding_row: int = -1, expect_prefix: torch.Tensor | None = None,
-                 expect_new: torch.Tensor | None = None, backend: str = "torch") -> None:
+                 expect_new: torch.Tensor | None = None, table_page: int = 1, backend: str = "torch") -> None:
     """Plan one forward's segments into ``plan`` and overwrite ``status`` (docs/ops-contract.md 2).
 
     ``req_pool_indices``, ``prefix_lens``, ``extend_lens`` (and the optional ``expect_prefix`` / ``expect_new``
-    chain values) are int64 ``[bs]``; ``req_to_token`` is the int32/int64 slot table ``[R, L]``; ``plan`` needs
-    ``cap >= bs`` rows. Bad values inside the tensors are counted in ``status`` (never raised).
+    chain values) are int64 ``[bs]``; ``req_to_token`` is the int32/int64 slot table ``[R, L]``, or with
+    ``table_page`` P > 1 a block table ``[R, B]`` of block ids (slot = block * P + position % P, L = B * P);
+    ``plan`` needs ``cap >= bs`` rows. Bad values inside the tensors are counted in ``status`` (never raised).
     """
     device = req_pool_indices.device if isinstance(req_pool_indices, torch.Tensor) else torch.device("cpu")
     rpi = check_tensor(req_pool_indices, "req_pool_indices", ndim=1)
@@ -60,13 +72,15 @@ def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: tor
     num_tokens = _check_scalar(num_tokens, "num_tokens", 0)
     window = _check_scalar(window, "window", 0)
     padding_row = _check_scalar(padding_row, "padding_row", -1)
+    table_page = check_table_page(table, table_page)
     b = check_backend(backend, device)
     if b == "torch":
-        _plan_forward_torch(p, s, rpi, pre, ext, table, num_tokens, window, padding_row, ep, en)
+        _plan_forward_torch(p, s, rpi, pre, ext, table, num_tokens, window, padding_row, ep, en, table_page)
         return
     e = empty_i64(device)
     _native.module(b).plan_forward(p, s, rpi, pre, ext, table, e if ep is None else ep, int(ep is not None),
-                                   e if en is None else en, int(en is not None), num_tokens, window, padding_row)
+                                   e if en is None else en, int(en is not None), num_tokens, window, padding_row,
+                                   table_page)
 
 
 def plan_sweep(plan: torch.Tensor, status: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
@@ -129,8 +143,9 @@ def _flag(mask: torch.Tensor, bit: PlanFlag) -> torch.Tensor:
 
 def _plan_forward_torch(plan: torch.Tensor, status: torch.Tensor, rpi: torch.Tensor, pre: torch.Tensor,
                         ext: torch.Tensor, table: torch.Tensor, num_tokens: int, window: int, padding_row: int,
-                        expect_prefix: torch.Tensor | None, expect_new: torch.Tensor | None) -> None:
-    num_rows, row_len = table.shape
+                        expect_prefix: torch.Tensor | None, expect_new: torch.Tensor | None, page: int) -> None:
+    num_rows, stride = table.shape
+    row_len = stride * page
     cap_tok = num_tokens + 1
     # Running offset capped at num_tokens + 1 (csrc/core/plan.cuh, plan_token_term): no wrap, same outcomes.
     wb = torch.clamp(_excl_cumsum(torch.clamp(ext, 0, cap_tok)), max=cap_tok)
@@ -149,8 +164,9 @@ def _plan_forward_torch(plan: torch.Tensor, status: torch.Tensor, rpi: torch.Ten
     flat = table.reshape(-1).to(torch.int64)
 
     def at(idx: torch.Tensor) -> torch.Tensor:  # table[row, idx] where idx >= 0, else NO_SLOT
-        k = row_ok * row_len + torch.clamp(idx, min=0)
-        got = flat[torch.clamp(k, 0, max(flat.numel() - 1, 0))] if flat.numel() else torch.zeros_like(k)
+        if not flat.numel():
+            return torch.full_like(idx, NO_SLOT)
+        got = table_slots(flat, stride, page, row_ok, torch.clamp(idx, min=0))
         return torch.where(idx >= 0, got, torch.full_like(got, NO_SLOT))
 
     rows = torch.zeros(rpi.shape[0], NUM_PLAN_COLS, dtype=torch.int64, device=rpi.device)

@@ -1,4 +1,4 @@
-"""Torch-reference helpers shared by verify and write: slot resolution, record links, violation rows."""
+"""Torch-reference helpers shared by plan, verify and write: slot tables, slot resolution, record links, rows."""
 
 from __future__ import annotations
 
@@ -38,6 +38,16 @@ def resolve_slots(group: GroupView, t: torch.Tensor) -> tuple[torch.Tensor, torc
     outcome = torch.full_like(t, OK)
     outcome = torch.where(bad, INPUT_ERROR, torch.where(evicted, EVICTED, torch.where(reserved, RESERVED, outcome)))
     return outcome, slot
+
+
+def table_slots(flat: torch.Tensor, stride: int, page: int, row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+    """Slots of positions ``col`` of rows ``row`` (in range) in a flattened int64 slot table of ``stride`` entries per
+    row and ``page`` slots per entry: ``b * page + col % page`` for block id ``b >= 0``, else ``b`` itself
+    (docs/ops-contract.md 0, csrc/core/resolve.cuh ``SlotTable::at``)."""
+    if page == 1:
+        return flat[row * stride + col]
+    b = flat[row * stride + torch.div(col, page, rounding_mode="floor")]
+    return torch.where(b >= 0, b * page + col % page, b)
 
 
 def record_link(rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
 from kvcanary.ops.fingerprint import check_fingerprint, fingerprint_torch
-from kvcanary.ops.plan import check_plan_buffers, empty_i64
+from kvcanary.ops.plan import check_plan_buffers, check_table_page, empty_i64
 from kvcanary.ops.shared import (
     EVICTED,
     INPUT_ERROR,
@@ -30,6 +30,7 @@ from kvcanary.ops.shared import (
     append_rows,
     record_link,
     resolve_slots,
+    table_slots,
     violation_rows,
 )
 from kvcanary.ops.types import (
@@ -44,11 +45,12 @@ from kvcanary.ops.types import (
 
 def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
            sink: Sink, *, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
-           backend: str = "torch") -> None:
+           table_page: int = 1, backend: str = "torch") -> None:
     """Verify every planned prefix entry of one stage and group, both halves, into ``sink``.
 
     ``table`` is the int32/int64 slot table ``[R, L]`` the plan was made from (a sweep's flat slots viewed as
-    ``[1, N]``). HEAD stages take no fingerprint. Bad values inside tensors are counted as INPUT_ERROR rows.
+    ``[1, N]``), or with ``table_page`` > 1 a block table (see :func:`kvcanary.ops.plan.plan_forward`). HEAD stages
+    take no fingerprint. Bad values inside tensors are counted as INPUT_ERROR rows.
     """
     if not isinstance(group, GroupView):
         raise CanaryInputError(f"group must be a GroupView, got {type(group).__name__}")
@@ -57,6 +59,7 @@ def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Ten
     device = group.records.device
     p, s = check_plan_buffers(plan, status, device)
     tbl = check_tensor(table, "table", dtype=(torch.int32, torch.int64), ndim=2, device=device)
+    page = check_table_page(tbl, table_page)
     if not isinstance(sink, Sink):
         raise CanaryInputError(f"sink must be a Sink, got {type(sink).__name__}")
     sink.validate(device)
@@ -68,7 +71,7 @@ def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Ten
     tags = group.tags(stage)
     b = check_backend(backend, device)
     if b == "torch":
-        _verify_torch(group, tags, p, s, tbl, sink, token_pool, fingerprint)
+        _verify_torch(group, tags, p, s, tbl, page, sink, token_pool, fingerprint)
         return
     e = empty_i64(device)
     _native.module(b).verify(
@@ -79,15 +82,16 @@ def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Ten
         int(token_pool is not None), 0 if token_pool is None else token_pool.offset,
         e if fingerprint is None else fingerprint.sources.table,
         int(FingerprintMode.NONE) if fingerprint is None else int(fingerprint.mode),
-        1 if fingerprint is None else fingerprint.layer_stride)
+        1 if fingerprint is None else fingerprint.layer_stride, page)
 
 
 # ---- torch reference -------------------------------------------------------------------------------------------
 
 def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: torch.Tensor,
-                  table: torch.Tensor, sink: Sink, pool: TokenPool | None, fp: Fingerprint | None) -> None:
+                  table: torch.Tensor, page: int, sink: Sink, pool: TokenPool | None, fp: Fingerprint | None) -> None:
     dev = group.records.device
-    num_rows, row_len = table.shape
+    num_rows, stride = table.shape
+    row_len = stride * page
     for tag in tags:
         sink.counters[tag, CounterCol.VERIFY_RUNS] += 1
     nseg = int(torch.clamp(status[PlanStatusCol.NUM_SEGMENTS], 0, plan.shape[0]).item())
@@ -120,12 +124,12 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
     idx = begin_e + torch.arange(total, device=dev) - (torch.cumsum(lens, 0) - lens)[sid]
     rowv = at(PlanCol.ROW, sid)
     flat = table.reshape(-1).to(torch.int64)
-    t = flat[rowv * row_len + idx] if total else torch.zeros(0, dtype=torch.int64, device=dev)
+    t = table_slots(flat, stride, page, rowv, idx) if total else torch.zeros(0, dtype=torch.int64, device=dev)
     pos = idx + at(PlanCol.POS_SHIFT, sid)
     outcome, slot = resolve_slots(group, t)
     first = idx == begin_e
     anchor = first & ((at(PlanCol.FLAGS, sid) & int(PlanFlag.FIRST_IS_HEAD)) != 0)
-    prev_t = flat[rowv * row_len + torch.clamp(idx - 1, min=0)] if total else t
+    prev_t = table_slots(flat, stride, page, rowv, torch.clamp(idx - 1, min=0)) if total else t
     pt = torch.where(first, at(PlanCol.FIRST_PREV_SLOT, sid), prev_t)
     p_outcome, p_slot = resolve_slots(group, pt)
     pred_ok = ~anchor & (p_outcome == OK)

@@ -23,8 +23,8 @@ from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
 from kvcanary.ops.fingerprint import check_fingerprint, fingerprint_torch
-from kvcanary.ops.plan import check_plan_buffers, empty_i64
-from kvcanary.ops.shared import append_rows, record_link, resolve_slots, violation_rows
+from kvcanary.ops.plan import check_plan_buffers, check_table_page, empty_i64
+from kvcanary.ops.shared import append_rows, record_link, resolve_slots, table_slots, violation_rows
 from kvcanary.ops.types import Fingerprint, GroupView, Sink, TokenPool, check_backend, check_tensor
 
 # Slot resolution outcomes (csrc/core/resolve.cuh SlotStatus).
@@ -36,12 +36,13 @@ _CHAIN_BASE_INV = pow(CHAIN_BASE, -1, 1 << 64)
 def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
           input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, sink: Sink, *,
           checks: int = 0, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
-          backend: str = "torch") -> None:
+          table_page: int = 1, backend: str = "torch") -> None:
     """Write the records of every planned segment's new tokens (both halves of one HEAD/TAIL stage) into ``group``.
 
     ``input_ids``, ``positions`` and ``out_cache_loc`` are the batch's flat int64 ``[num_tokens]`` tensors
     (``out_cache_loc`` in table space, negative = skipped); ``checks`` holds WriteCheck bits (STRUCTURAL compares
-    ``out_cache_loc`` with ``table``). A HEAD write takes a fingerprint only when it runs after the forward (the
+    ``out_cache_loc`` with ``table``, a block table when ``table_page`` > 1 as in
+    :func:`kvcanary.ops.plan.plan_forward`). A HEAD write takes a fingerprint only when it runs after the forward (the
     seal). Bad values inside tensors become counted INPUT_ERROR rows in ``sink``.
     """
     if not isinstance(group, GroupView):
@@ -51,6 +52,7 @@ def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tens
     device = group.records.device
     p, s = check_plan_buffers(plan, status, device)
     tbl = check_tensor(table, "table", dtype=(torch.int32, torch.int64), ndim=2, device=device)
+    page = check_table_page(tbl, table_page)
     ids = check_tensor(input_ids, "input_ids", ndim=1, device=device)
     pos = check_tensor(positions, "positions", ndim=1, device=device, shape=(ids.shape[0],))
     loc = check_tensor(out_cache_loc, "out_cache_loc", ndim=1, device=device, shape=(ids.shape[0],))
@@ -67,7 +69,7 @@ def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tens
     tags = group.tags(stage)
     b = check_backend(backend, device)
     if b == "torch":
-        _write_torch(group, tags, p, s, tbl, ids, pos, loc, sink, checks, token_pool, fingerprint)
+        _write_torch(group, tags, p, s, tbl, page, ids, pos, loc, sink, checks, token_pool, fingerprint)
         return
     e = empty_i64(device)
     _native.module(b).write(
@@ -78,7 +80,7 @@ def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tens
         int(token_pool is not None), 0 if token_pool is None else token_pool.offset,
         e if fingerprint is None else fingerprint.sources.table,
         int(FingerprintMode.NONE) if fingerprint is None else int(fingerprint.mode),
-        1 if fingerprint is None else fingerprint.layer_stride)
+        1 if fingerprint is None else fingerprint.layer_stride, page)
 
 
 # ---- torch reference -------------------------------------------------------------------------------------------
@@ -108,20 +110,23 @@ def _bit(mask: torch.Tensor, reason: FailReason) -> torch.Tensor:
     return mask.to(torch.int64) * int(reason)
 
 
-def _structural_rows(group: GroupView, table: torch.Tensor, segs: torch.Tensor, j: torch.Tensor, lc: torch.Tensor,
-                     t: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, dict[ViolationCol, torch.Tensor | int]]:
+def _structural_rows(group: GroupView, table: torch.Tensor, page: int, segs: torch.Tensor, j: torch.Tensor,
+                     lc: torch.Tensor, t: torch.Tensor,
+                     p: torch.Tensor) -> tuple[torch.Tensor, dict[ViolationCol, torch.Tensor | int]]:
     """Entries failing the structural check (csrc/core/write.cuh write_structural) and their row columns.
 
     ``segs`` are the entries' plan rows [E, NUM_PLAN_COLS], ``j`` their index in the segment, ``lc`` / ``t`` / ``p``
     their out_cache_loc / token / position.
     """
-    num_rows, row_len = table.shape
+    num_rows, stride = table.shape
+    row_len = stride * page
     padding = (segs[:, PlanCol.FLAGS] & int(PlanFlag.PADDING)) != 0
     row, idx = segs[:, PlanCol.ROW], segs[:, PlanCol.PREFIX_LEN] + j
     in_table = (row >= 0) & (row < num_rows) & (idx >= 0) & (idx < row_len)
-    flat = table.reshape(-1)
-    k = torch.where(in_table, row * row_len + idx, torch.zeros_like(idx))
-    cell = flat[k].to(torch.int64) if flat.numel() else torch.zeros_like(k)
+    zero = torch.zeros_like(idx)
+    flat = table.reshape(-1).to(torch.int64)
+    cell = table_slots(flat, stride, page, torch.where(in_table, row, zero), torch.where(in_table, idx, zero)) \
+        if flat.numel() else zero
     outcome, _ = resolve_slots(group, lc)
     pad_bad = padding & (outcome != RESERVED) & (outcome != EVICTED)
     req_bad = ~padding & in_table & (cell != lc)
@@ -132,7 +137,7 @@ def _structural_rows(group: GroupView, table: torch.Tensor, segs: torch.Tensor, 
 
 
 def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
-                 ids: torch.Tensor, pos: torch.Tensor, loc: torch.Tensor, sink: Sink, checks: int,
+                 page: int, ids: torch.Tensor, pos: torch.Tensor, loc: torch.Tensor, sink: Sink, checks: int,
                  pool: TokenPool | None, fp: Fingerprint | None) -> None:
     dev = group.records.device
     num_tokens = ids.shape[0]
@@ -198,7 +203,7 @@ def _write_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: 
     evicted = ~pad & (outcome == EVICTED)
     expected_pos = _at(good[:, PlanCol.PREFIX_LEN].contiguous(), sid) + j
     if checks & WriteCheck.STRUCTURAL:
-        hit, cols = _structural_rows(group, table, good[sid], j, lc, t, p)
+        hit, cols = _structural_rows(group, table, page, good[sid], j, lc, t, p)
         add_rows(tags[0], int(FailReason.STRUCTURAL), good[sid[hit]], cols)
 
     # Exclusive affine scan per segment via prefix sums: with C = number of active entries before i (global) and
