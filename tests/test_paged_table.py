@@ -18,7 +18,18 @@ from kvcanary.ops import hashes as H
 from kvcanary.ops.plan import plan_forward
 from kvcanary.ops.types import Fingerprint, GroupView, Sink
 from kvcanary.ops.verify import verify
-from kvcanary_schema import NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, FingerprintMode, Group, PlanCol, Stage
+from kvcanary.ops.write import write
+from kvcanary_schema import (
+    NUM_PLAN_COLS,
+    NUM_PLAN_STATUS_COLS,
+    FailReason,
+    FingerprintMode,
+    Group,
+    PlanCol,
+    Stage,
+    ViolationCol,
+    WriteCheck,
+)
 from test_plan import oracle_forward
 from test_verify import counters_of, fp_int, make_sources, oracle_verify
 
@@ -185,3 +196,51 @@ def test_cuda_paged_plan_and_verify_match_the_expanded_oracle(page: int) -> None
         got = [tuple(r) for r in sink.rows[:int(sink.count)].tolist()]
         assert Counter(got) == Counter(want.rows)
         assert torch.equal(sink.counters.cpu(), counters_of(want))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page", PAGES)
+def test_write_structural_check_on_a_block_table_equals_the_expanded_table(backend: str, page: int) -> None:
+    """The write's structural check reads the block table like plan and verify: same records, rows and counters as
+    the expanded per-token table, with some tokens written to the slot their block maps and some elsewhere."""
+    _paged_write_case(backend, page)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page", PAGES)
+def test_cuda_paged_write_matches_the_expanded_table(page: int) -> None:
+    _paged_write_case("cuda", page)
+
+
+def _paged_write_case(backend: str, page: int) -> None:
+    dev = "cuda" if backend == "cuda" else "cpu"
+    rng = random.Random(page)
+    rows, blocks_per_row, num_slots = 4, 3, 64 * page
+    blocks = [[rng.randrange(1, 64) for _ in range(blocks_per_row)] for _ in range(rows)]
+    full = torch.tensor(expand(blocks, page), dtype=torch.int64)
+    req_rows, pre, ext = [0, 2, 3], [1, page, 2], [2, page + 1, 1]
+    ids, pos, loc = [], [], []
+    for r, p0, e in zip(req_rows, pre, ext, strict=True):
+        for j in range(e):
+            ids.append(rng.randrange(1000))
+            pos.append(p0 + j)
+            right = int(full[r, p0 + j])
+            loc.append(right if rng.random() < 0.6 else rng.randrange(1, num_slots))
+    out = []
+    for table, pg in ((torch.tensor(blocks, dtype=torch.int32), page), (full, 1)):
+        records = torch.zeros(num_slots, 2, 4, dtype=torch.int64, device=dev)
+        g = GroupView(records, Group.FULL, reserved_slots=1)
+        plan, status = _plan(table, pg, req_rows, pre, ext, backend)
+        sink = Sink.allocate(64, device=torch.device(dev))
+        i64 = {"dtype": torch.int64, "device": dev}
+        write(g, Stage.HEAD, plan.to(dev), status.to(dev), table.to(dev), torch.tensor(ids, **i64),
+              torch.tensor(pos, **i64), torch.tensor(loc, **i64), sink, checks=int(WriteCheck.STRUCTURAL),
+              table_page=pg, backend=backend)
+        out.append((records.cpu(), Counter(map(tuple, sink.rows[: int(sink.count[0])].tolist())),
+                    sink.counters.cpu()))
+    (rec_p, rows_p, cnt_p), (rec_f, rows_f, cnt_f) = out
+    assert torch.equal(rec_p, rec_f) and rows_p == rows_f and torch.equal(cnt_p, cnt_f)
+    wrong = sum(lc != int(full[r, p]) for r, p, lc in zip(
+        [r for r, e in zip(req_rows, ext, strict=True) for _ in range(e)], pos, loc, strict=True))
+    assert sum(1 for row in rows_p if row[ViolationCol.REASONS] & int(FailReason.STRUCTURAL)) == wrong
