@@ -228,3 +228,13 @@ def auto_backend(device_type: str) -> str:
     log.warning("kvcanary: falling back to the torch reference backend (%s). It is correct but 100-1000x slower than "
                 "the native ops: hundreds of allocations and tens of host syncs per forward.", reason)
     return "torch"
+
+
+def resolve(backend: str, device_type: str) -> str:
+    """The backend to run for ``backend`` (auto/torch/cpu/cuda) on ``device_type`` tensors, with a native one loaded
+    (JIT-built on first use) now: call it before anything is timed or bounded."""
+    if backend == "auto":
+        return auto_backend(device_type)
+    if backend == "cpu" or backend == "cuda":
+        load(backend)
+    return backend

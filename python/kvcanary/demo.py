@@ -9,11 +9,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO, cast
+from typing import Any, TextIO
 
 import torch
 from kvcanary_schema import CounterCol, LaunchTag
 
+from kvcanary import _native
 from kvcanary import campaign as C
 from kvcanary.engine import ForwardBatch, PoolKind
 from kvcanary.engine.canary import EngineCanary
@@ -49,16 +50,6 @@ class Progress:
         if self.tty and done >= self.total:
             self.stream.write("\n")
         self.stream.flush()
-
-
-def _resolve_backend(backend: str, device: str) -> str:
-    """The backend to run; a native one is loaded (JIT-built on first use) here, before anything is timed."""
-    from kvcanary import _native
-    if backend == "auto":
-        return _native.auto_backend(torch.device(device).type)
-    if backend in ("cpu", "cuda"):
-        _native.module(cast(_native.Kind, backend))
-    return backend
 
 
 def _tags_active(canary: EngineCanary) -> list[str]:
@@ -234,7 +225,7 @@ def run_demo(args: argparse.Namespace) -> int:
         C.set_cpu_threads()
     logging.getLogger("kvcanary").setLevel(logging.ERROR)  # LOG mode's warnings would flood the fault campaign
     try:
-        backend = _resolve_backend(str(args.backend), device)
+        backend = _native.resolve(str(args.backend), torch.device(device).type)
     except KVCanaryError as exc:
         print(f"kvcanary demo: {exc}", file=sys.stderr)
         return 2

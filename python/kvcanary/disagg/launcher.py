@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvcanary import _native
 from kvcanary.engine.engine import Engine
 from kvcanary.errors import CanaryInputError
 
@@ -233,6 +234,9 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
     """Run both roles to completion (or kill them at ``cfg.bound_s``) and summarize their reports."""
     if cfg.device == "cuda" and torch.cuda.device_count() < 2:
         raise CanaryInputError(f"--device cuda needs 2 GPUs (one per role), found {torch.cuda.device_count()}")
+    # build or load the native backend here, before the bound's clock starts: a first JIT build of the module (a fresh
+    # checkout, an edited source) takes longer than a role's startup allowance, and both roles would run it at once
+    _native.resolve(cfg.backend, torch.device(cfg.device).type)
     ctx = mp.get_context(cfg.start_method)
     if cfg.start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "kvcanary.disagg.launcher", "kvcanary.disagg.runtime_glue"])
