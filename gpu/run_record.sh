@@ -27,7 +27,7 @@ mkdir -p "$OUT"
       python3 -m tests.gpu.fuzz_bad_inputs --n 3 --large 1; echo "racecheck rc=$?"; } > "$OUT/sanitizer.txt" 2>&1
   grep -E "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.txt"
   echo "=== bench $(date -u +%T)"
-  timeout 150 python3 -m bench.bench_gpu --quick --samples 20 --out /tmp/bench_structural | tail -50
+  timeout 220 python3 -m bench.bench_gpu --quick --samples 20 --out /tmp/bench_structural | tail -60
   timeout 80 python3 -m bench.bench_gpu --quick --no-structural --samples 20 --out /tmp/bench_no_structural \
     --only "decode bs1 pre512,decode bs64 pre256,decode bs256 pre4096 ext1 K perm,extend bs1 pre0 ext4096" | tail -20
   for variant in structural no_structural; do
