@@ -203,13 +203,14 @@ def scenarios(quick: bool) -> list[Scenario]:
                 name = f"{kind} bs{bs} pre{pre} ext{ext}{' win' + str(window) if window else ''} " \
                        f"{'K+V' if halves == 2 else 'K'} {layout}"
                 out.append(Scenario(name, bs, pre, ext, halves, swa, window, "none", layout,
-                                    SGLANG.get(key) if halves == 1 and layout == "perm" else None, target))
+                                    sglang_us=SGLANG.get(key) if halves == 1 and layout == "perm" else None,
+                                    target=target))
     for fp in ("none", "partial", "all"):
         for kind, bs, pre, ext, sg in (("decode", 256, 4096, 1, 2600.0), ("extend", 1, 0, 4096, 58000.0)):
             target = ("<= 1.25 x floor" if kind == "decode" else "<= max(25 us, 1.25 x floor)") if fp == "all" else \
                 "<= max(10 us, 1.25 x floor)"
             out.append(Scenario(f"fp {fp} {kind} bs{bs} pre{pre} ext{ext} K perm", bs, pre, ext, 1, False, 0, fp,
-                                "perm", sg if fp == "all" else None, target))
+                                "perm", sglang_us=sg if fp == "all" else None, target=target))
     return out + policy_scenarios()
 
 
