@@ -471,7 +471,8 @@ def breakdown(samples: int = 20) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for sc in (Scenario("decode bs1 pre512 K", 1, 512, 1), Scenario("decode bs256 pre4096 K", 256, 4096, 1),
                Scenario("extend bs1 ext16384 K", 1, 0, 16384),
-               Scenario("fp all decode bs256 pre4096 K", 256, 4096, 1, fp="all")):
+               Scenario("fp all decode bs256 pre4096 K", 256, 4096, 1, fp="all"),
+               Scenario("fp default decode bs256 pre4096 K", 256, 4096, 1, fp="default")):
         st = State(sc)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
