@@ -584,13 +584,15 @@ def test_native_entry_rejects_bad_arguments() -> None:
                                 "table": a["table"], "ids": a["input_ids"], "pos": a["positions"],
                                 "loc": a["out_cache_loc"], "rows": sink.rows, "count": sink.count,
                                 "counters": sink.counters, "step": sink.step, "checks": 0, "pt": e, "pl": e,
-                                "has_pool": 0, "off": 0, "fpt": e, "mode": 0, "stride": 1}
+                                "has_pool": 0, "off": 0, "fpt": e, "mode": 0, "stride": 1, "page": 1}
         v.update(kw)
         mod.write(*v.values())
 
     call()
     with pytest.raises(ValueError, match="reserved_slots"):
         call(reserved=9)
+    with pytest.raises(ValueError, match="page size"):
+        call(page=0)
     with pytest.raises(ValueError, match="launch tag"):
         call(tag1=12)
     with pytest.raises(TypeError, match="int64"):
