@@ -29,7 +29,7 @@ CONNECTOR = {"kv_connector": "KVCanaryConnector", "kv_connector_module_path": "k
              "kv_role": "kv_both"}
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "vllm": None,
-    "kvcanary defaults (torch backend, fingerprint none)": {"stats_interval": 0},
+    "kvcanary defaults (CanaryConfig(): auto backend, default detection policy)": {"stats_interval": 0},
     "kvcanary backend=cpu, fingerprint=all, all layers": {"backend": "cpu", "fingerprint": "all",
                                                           "layer_coverage": "all", "stats_interval": 0},
 }
