@@ -587,6 +587,7 @@ class CanaryManager:
     def _quarantine(self, rows: Sequence[Violation]) -> tuple[int, ...]:
         """Table-space slots whose KV or record a kept row found bad (INPUT_ERROR rows name no real slot)."""
         bad: set[int] = set()
+        swa_maps: dict[int, torch.Tensor] = {}  # one host copy per SWA group, not one per row
         for v in rows:
             if int(v.reasons) & ~int(FailReason.INPUT_ERROR) == 0:
                 continue
@@ -596,7 +597,8 @@ class CanaryManager:
             if g.spec.swa_map is None:
                 bad.add(v.slot)
             else:  # SWA rows name the SWA slot: the table slots mapped to it
-                bad.update(int(t) for t in torch.nonzero(g.spec.swa_map.cpu() == v.slot).flatten().tolist())
+                host = swa_maps.setdefault(int(g.spec.group), g.spec.swa_map.cpu())
+                bad.update(int(t) for t in torch.nonzero(host == v.slot).flatten().tolist())
         return tuple(sorted(bad))
 
     def _collect_ready(self, block: bool) -> WindowReport | None:
