@@ -14,6 +14,7 @@ import torch
 from kvcanary.adapter import BatchView, GroupSpec, PoolDescription
 from kvcanary.config import CanaryConfig
 from kvcanary.manager import CanaryManager, install
+from kvcanary.ops.types import SourceSpec
 from kvcanary_schema import Group
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -57,10 +58,13 @@ class Workload:
         self.history = [torch.randint(0, 32000, (self.ctx,), generator=g).tolist() for _ in range(bs)]
         self.lens = [0] * bs
         self.ids = [f"req{i}" for i in range(bs)]
+        # real KV of 4 layers, K only, one 256-byte row per slot: the default fingerprint policy hashes it
+        self.kv = [torch.randn(self.num_slots, 2, 64, generator=g).to(torch.bfloat16).to(device) for _ in range(4)]
 
     def pool(self) -> PoolDescription:
         return PoolDescription(self.num_slots, self.bs + 1, self.ctx, [GroupSpec(Group.FULL, self.num_slots, 1,
-                                                                                 reserved_slots=1)],
+                                                                                 reserved_slots=1, sources=[
+                                                                                     [SourceSpec(t) for t in self.kv]])],
                                self.device, padding_row=0)
 
     def batch(self, extend: int) -> BatchView:
