@@ -1,0 +1,163 @@
+"""transformers continuous batching with kvcanary: step-time overhead of each canary config, same-run ratios."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# ~1.1 B parameters: 16 layers, hidden 2048, GQA 32 q / 8 kv heads of 64, vocab 32 000 (issue 13's benchmark row)
+LLAMA_1B = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096}
+# a CPU smoke size of the same shape (the benchmark's own check that it runs; its numbers mean nothing)
+LLAMA_TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+# canary configs measured against the baseline: (name, CanaryConfig kwargs, overhead target in %)
+VARIANTS: list[tuple[str, dict[str, Any], float]] = [
+    ("fingerprint none", {"fingerprint": "none"}, 1.0),
+    ("defaults (partial, seal, reuse, rolling sweep)", {}, 2.0),
+]
+PAGE = 16
+
+
+def build_model(cfg: dict[str, Any], device: str, dtype: torch.dtype) -> Any:
+    """A random Llama of ``cfg`` (sdpa, eval mode): the weights do not matter, the shapes and the cache do."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaConfig(**cfg, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(llama).eval().to(device=device, dtype=dtype)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
+    """``batch`` distinct random prompts of ``length`` tokens (no shared prefix: every step decodes ``batch`` rows)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+
+
+class StepTimer:
+    """Times every transformers generation step (synchronized), so the polling loop around it does not count."""
+
+    def __init__(self, device: str) -> None:
+        from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+        self.cls, self.device = ContinuousBatchingManager, device
+        self.orig = ContinuousBatchingManager._generation_step
+        self.steps: list[float] = []
+
+    def __enter__(self) -> StepTimer:
+        orig, steps, sync = self.orig, self.steps, self._sync
+
+        def timed(mgr: Any) -> None:
+            sync()
+            t = time.perf_counter()
+            orig(mgr)
+            sync()
+            steps.append(time.perf_counter() - t)
+        self.cls._generation_step = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cls._generation_step = self.orig
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+
+def run_once(model: Any, ps: list[list[int]], new_tokens: int, timer: StepTimer) -> tuple[list[float], list[list[int]]]:
+    """One generate_batch: the decode-step times (prefill steps dropped) and the generated tokens."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    blocks = len(ps) * (-(-(len(ps[0]) + new_tokens) // PAGE)) + 16
+    cb = ContinuousBatchingConfig(page_size=PAGE, num_blocks=blocks, max_batch_tokens=max(1024, len(ps) * 64),
+                                  allow_block_sharing=True, use_cuda_graph=False, use_async_batching=False,
+                                  auto_switch_to_flash=False, max_blocks_per_request=0)
+    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    n = len(timer.steps)
+    out = model.generate_batch(ps, generation_config=gen, continuous_batching_config=cb, warmup=False)
+    steps = timer.steps[n:]
+    decode = steps[-(new_tokens - 1):]  # the last new_tokens - 1 steps decode every row; earlier ones prefill
+    return decode, [r.generated_tokens for r in out.values()]
+
+
+def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, device: str) -> dict[str, Any]:
+    """Interleaved repeats of baseline and every variant; medians of the per-step decode times."""
+    from kvcanary.config import CanaryConfig
+    from kvcanary.integrations import transformers as kt
+
+    names = ["baseline"] + [n for n, _, _ in VARIANTS]
+    step_ms: dict[str, list[float]] = {n: [] for n in names}
+    host_ms: dict[str, list[float]] = {n: [] for n in names[1:]}
+    ref: list[list[int]] | None = None
+    with StepTimer(device) as timer:
+        for rep in range(repeats + 1):  # repetition 0 warms up (allocator, kernels, backend load)
+            for name, kwargs in [("baseline", None)] + [(n, k) for n, k, _ in VARIANTS]:
+                handle = kt.install(model, CanaryConfig(mode="raise", **kwargs)) if kwargs is not None else None
+                try:
+                    decode, out = run_once(model, ps, new_tokens, timer)
+                finally:
+                    if handle is not None:
+                        handle.uninstall()
+                ref = out if ref is None else ref
+                if out != ref:
+                    raise RuntimeError(f"{name}: kvcanary changed the generated tokens")
+                if handle is not None and (handle.total_violations or handle.errors):
+                    raise RuntimeError(f"{name}: {handle.total_violations} violations, errors {handle.errors}")
+                if rep == 0:
+                    continue
+                step_ms[name] += [1e3 * s for s in decode]
+                if handle is not None:
+                    host_ms[name].append(1e-3 * handle.stats["bracket_us"] / handle.stats["forwards"])
+    med = statistics.median
+    base = med(step_ms["baseline"])
+    rows = [{"config": "baseline", "decode_step_ms": round(base, 3)}]
+    for name, _, target in VARIANTS:
+        ms = med(step_ms[name])
+        pct = 100.0 * (ms / base - 1.0)
+        rows.append({"config": name, "decode_step_ms": round(ms, 3), "overhead_pct": round(pct, 2),
+                     "target_pct": target, "met": pct <= target, "bracket_host_ms": round(med(host_ms[name]), 3)})
+    return {"rows": rows, "decode_steps_per_config": len(step_ms["baseline"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", choices=("1b", "tiny"), default="1b")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=33)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    cfg = LLAMA_1B if a.model == "1b" else LLAMA_TINY
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    model = build_model(cfg, a.device, dtype)
+    res = measure(model, prompts(a.batch, a.prompt, cfg["vocab_size"]), a.new_tokens, a.repeats, a.device)
+    for r in res["rows"]:
+        print(json.dumps(r))
+    out = {"machine": platform.node(), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+           "command": f"python -m bench.bench_transformers --device {a.device} --model {a.model} --batch {a.batch} "
+                      f"--prompt {a.prompt} --new-tokens {a.new_tokens} --repeats {a.repeats}",
+           "model": cfg, "params": sum(p.numel() for p in model.parameters()), "dtype": str(dtype),
+           "page_size": PAGE, "note": "decode-step time of transformers continuous batching (sdpa paged cache, no "
+           "CUDA graphs), synchronized per step, median over repeats interleaved with the baseline", **res}
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
