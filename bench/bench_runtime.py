@@ -62,10 +62,8 @@ class Workload:
         self.kv = [torch.randn(self.num_slots, 2, 64, generator=g).to(torch.bfloat16).to(device) for _ in range(4)]
 
     def pool(self) -> PoolDescription:
-        return PoolDescription(self.num_slots, self.bs + 1, self.ctx, [GroupSpec(Group.FULL, self.num_slots, 1,
-                                                                                 reserved_slots=1, sources=[
-                                                                                     [SourceSpec(t) for t in self.kv]])],
-                               self.device, padding_row=0)
+        group = GroupSpec(Group.FULL, self.num_slots, 1, reserved_slots=1, sources=[[SourceSpec(t) for t in self.kv]])
+        return PoolDescription(self.num_slots, self.bs + 1, self.ctx, [group], self.device, padding_row=0)
 
     def batch(self, extend: int) -> BatchView:
         rows = list(range(1, self.bs + 1))

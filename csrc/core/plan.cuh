@@ -115,6 +115,52 @@ KVC_HD void plan_sweep_fill(int64_t* out, int64_t c, int64_t start, int64_t len,
   out[col(PlanCol::FLAGS)] = flags;
 }
 
+// One entry of a rolling-sweep slice (docs/ops-contract.md 3a) as a sweep chain: a single cached slot, or an empty
+// chain (len 0) when the slot id holds no eligible cached slot. `chain` is the export chain it belongs to, -1 if none.
+struct RollEntry {
+  int64_t start, len, first_position, prev_slot, chain;
+};
+
+// Read-only views of the export a slice is planned from. inv[s] (s < m) is the flat export index of table slot s
+// (< 0: not cached); ends[c] is the running sum of max(lens, 0) through chain c. Chains must lie back to back
+// (starts[c] = ends[c] - max(lens[c], 0)): an index inside a chain that does not is not eligible, nor one of a
+// locked chain when `unlocked` is given (non-zero = unlocked). Every read stays inside its array whatever the values.
+struct RollSource {
+  const int64_t* inv;
+  int64_t m;  // table slot ids: inv has at least m entries
+  const int64_t* slots;
+  int64_t n_slots;
+  const int64_t* starts;
+  const int64_t* lens;
+  const int64_t* ends;
+  const int64_t* first_positions;
+  const int64_t* prev_slots;
+  const int64_t* unlocked;  // nullptr: every chain is eligible
+  int64_t n;                // chains
+};
+
+// Entry i of the slice starting at table slot id `cursor` (0 <= cursor < m): slot id (cursor + i) mod m.
+KVC_HD RollEntry plan_roll_entry(const RollSource& src, int64_t cursor, int64_t i) {
+  const RollEntry none{0, 0, 0, NO_SLOT, -1};
+  const int64_t k = src.inv[(cursor + i) % src.m];
+  if (k < 0 || k >= src.n_slots || src.n == 0) return none;
+  int64_t lo = 0, hi = src.n;  // first chain whose end lies past k
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (src.ends[mid] > k) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  if (lo == src.n) return none;
+  const int64_t c = lo, len = src.lens[c] > 0 ? src.lens[c] : 0, start = src.starts[c];
+  if (start < 0 || start != wrap_sub(src.ends[c], len) || k < start) return none;
+  if (src.unlocked != nullptr && src.unlocked[c] == 0) return none;
+  const int64_t off = k - start;
+  return RollEntry{k, 1, wrap_add(src.first_positions[c], off), off > 0 ? src.slots[k - 1] : src.prev_slots[c], c};
+}
+
 // Planned segments a consumer may read: status NUM_SEGMENTS clamped to [0, capacity].
 KVC_HD int64_t plan_num_segments(const int64_t* status, int64_t capacity) {
   const int64_t n = status[col(PlanStatusCol::NUM_SEGMENTS)];

@@ -10,9 +10,15 @@
 //   plan_sweep(plan, status, slots, starts, lens, first_positions, prev_slots, expect_end, has_expect_end)
 //     slots int64 [N]; starts / lens / first_positions / prev_slots int64 [n] (cap >= n); expect_end int64 [n] or
 //     a 0-element int64 tensor with has_expect_end = 0.
+//   plan_roll(plan, status, chain_out, slots, starts, lens, ends, first_positions, prev_slots, unlocked, has_unlocked,
+//             inv, num_slot_ids, cursor)
+//     a rolling-sweep slice of width W = len(chain_out) (docs/ops-contract.md 3a): chain_out int64 [W] (written),
+//     slots int64 [N], starts / lens / ends / first_positions / prev_slots int64 [n], unlocked int64 [n] or empty
+//     with has_unlocked = 0, inv int64 [>= num_slot_ids], num_slot_ids >= 1, 0 <= cursor < num_slot_ids; cap >= W.
 #include <tvm/ffi/function.h>
 
 #include "core/plan.cuh"
+#include "core/roll_args.h"
 #include "core/tensor_checks.h"
 
 namespace kvcanary {
@@ -46,6 +52,27 @@ void set_status(int64_t* st, int64_t segments, int64_t verify_entries, int64_t w
   st[col(PlanStatusCol::WRITE_ENTRIES)] = write_entries;
   st[col(PlanStatusCol::INPUT_ERRORS)] = errors;
   st[col(PlanStatusCol::OVERFLOW)] = overflow;
+}
+
+// The sweep plan of chains 0..n-1 given by chain(c) (docs/ops-contract.md 3): invalid chains are counted, the others
+// become segments in order.
+template <typename ChainAt>
+void fill_sweep(TensorView plan, TensorView status, int64_t n, int64_t num_slots, bool has_expect_end,
+                ChainAt chain) {
+  auto* out = static_cast<int64_t*>(plan.data_ptr());
+  int64_t segments = 0, verify_entries = 0, errors = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const SweepChain ch = chain(c);
+    if (!plan_sweep_valid(ch.start, ch.len, ch.first_position, num_slots)) {
+      ++errors;
+      continue;
+    }
+    plan_sweep_fill(out + segments * kNumPlanCols, c, ch.start, ch.len, ch.first_position, ch.prev_slot,
+                    verify_entries, has_expect_end, ch.expect_end);
+    verify_entries += ch.len;
+    ++segments;
+  }
+  set_status(static_cast<int64_t*>(status.data_ptr()), segments, verify_entries, 0, errors, 0);
 }
 
 }  // namespace
@@ -129,24 +156,31 @@ void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView
   const auto* fp = static_cast<const int64_t*>(first_positions.data_ptr());
   const auto* pv = static_cast<const int64_t*>(prev_slots.data_ptr());
   const auto* ee = static_cast<const int64_t*>(expect_end.data_ptr());
-  auto* out = static_cast<int64_t*>(plan.data_ptr());
-  const int64_t num_slots = slots.size(0);
+  fill_sweep(plan, status, n, slots.size(0), has_expect_end != 0, [&](int64_t c) {
+    return SweepChain{st[c], ln[c], fp[c], pv[c], has_expect_end ? ee[c] : 0};
+  });
+}
 
-  int64_t segments = 0, verify_entries = 0, errors = 0;
-  for (int64_t c = 0; c < n; ++c) {
-    if (!plan_sweep_valid(st[c], ln[c], fp[c], num_slots)) {
-      ++errors;
-      continue;
-    }
-    plan_sweep_fill(out + segments * kNumPlanCols, c, st[c], ln[c], fp[c], pv[c], verify_entries, has_expect_end != 0,
-                    has_expect_end ? ee[c] : 0);
-    verify_entries += ln[c];
-    ++segments;
-  }
-  set_status(static_cast<int64_t*>(status.data_ptr()), segments, verify_entries, 0, errors, 0);
+void plan_roll(TensorView plan, TensorView status, TensorView chain_out, TensorView slots, TensorView starts,
+               TensorView lens, TensorView ends, TensorView first_positions, TensorView prev_slots, TensorView unlocked,
+               int64_t has_unlocked, TensorView inv, int64_t num_slot_ids, int64_t cursor) {
+  check_i64_tensor(slots, slots, 1, "slots", "slots");
+  check_device_type(slots, kDLCPU, "slots");
+  check_i64_tensor(chain_out, slots, 1, "chain_out", "slots");
+  const int64_t width = chain_out.size(0);
+  const RollSource src = roll_source(slots, starts, lens, ends, first_positions, prev_slots, unlocked, has_unlocked,
+                                     inv, num_slot_ids, cursor);
+  check_plan_out(plan, status, slots, "slots", width);
+  auto* chains = static_cast<int64_t*>(chain_out.data_ptr());
+  fill_sweep(plan, status, width, slots.size(0), false, [&](int64_t i) {
+    const RollEntry e = plan_roll_entry(src, cursor, i);
+    chains[i] = e.chain;
+    return SweepChain{e.start, e.len, e.first_position, e.prev_slot, 0};
+  });
 }
 
 }  // namespace kvcanary
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_forward, kvcanary::plan_forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_sweep, kvcanary::plan_sweep);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_roll, kvcanary::plan_roll);

@@ -2,6 +2,7 @@
 #include <tvm/ffi/function.h>
 
 #include "core/plan.cuh"
+#include "core/roll_args.h"
 #include "cuda/block_scan.cuh"
 #include "cuda/cuda_common.cuh"
 
@@ -88,45 +89,82 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwa
   }
 }
 
-struct PlanSweepArgs {
-  int64_t* plan;
-  int64_t* status;
+// Chains of a plain sweep: the export's arrays.
+struct SweepArrays {
   const int64_t* starts;
   const int64_t* lens;
   const int64_t* first_positions;
   const int64_t* prev_slots;
   const int64_t* expect_end;  // nullptr: absent
-  int64_t n_chains;
-  int64_t n_slots;
+  __device__ SweepChain at(int64_t c) const {
+    return SweepChain{starts[c], lens[c], first_positions[c], prev_slots[c],
+                      expect_end != nullptr ? expect_end[c] : 0};
+  }
+};
+
+// Chains of a rolling-sweep slice: entry i derived from the export (docs/ops-contract.md 3a); also names its chain.
+struct RollChains {
+  RollSource src;
+  int64_t cursor;
+  int64_t* chain_out;
+  __device__ SweepChain at(int64_t i) const {
+    const RollEntry e = plan_roll_entry(src, cursor, i);
+    chain_out[i] = e.chain;
+    return SweepChain{e.start, e.len, e.first_position, e.prev_slot, 0};
+  }
 };
 
 enum : int { kSSeg = 0, kSVer, kSErr, kSLanes };
 
-__global__ void __launch_bounds__(kPlanThreads, 1) plan_sweep_kernel(PlanSweepArgs a) {
+// One block plans chains 0..n-1 in chunks of its width: validity and entry counts by block scans, then the fill.
+template <typename Chains>
+__global__ void __launch_bounds__(kPlanThreads, 1)
+    plan_sweep_kernel(Chains chains, int64_t* plan, int64_t* status, int64_t n, int64_t n_slots, bool has_expect_end) {
   __shared__ BlockSumScratch<kPlanThreads, kSLanes> scratch;
   int64_t carry[kSLanes] = {0, 0, 0};
-  for (int64_t base = 0; base < a.n_chains; base += kPlanThreads) {
+  for (int64_t base = 0; base < n; base += kPlanThreads) {
     const int64_t c = base + threadIdx.x;
-    const bool in = c < a.n_chains;
-    const int64_t start = in ? a.starts[c] : 0, len = in ? a.lens[c] : 0, fp = in ? a.first_positions[c] : 0;
-    const bool ok = in && plan_sweep_valid(start, len, fp, a.n_slots);
-    int64_t v[kSLanes] = {ok ? 1 : 0, ok ? len : 0, (in && !ok) ? 1 : 0};
+    const bool in = c < n;
+    const SweepChain ch = in ? chains.at(c) : SweepChain{0, 0, 0, NO_SLOT, 0};
+    const bool ok = in && plan_sweep_valid(ch.start, ch.len, ch.first_position, n_slots);
+    int64_t v[kSLanes] = {ok ? 1 : 0, ok ? ch.len : 0, (in && !ok) ? 1 : 0};
     int64_t total[kSLanes];
     block_exclusive_sum<kPlanThreads, kSLanes>(v, total, scratch);
     if (ok) {
-      plan_sweep_fill(a.plan + (carry[kSSeg] + v[kSSeg]) * kNumPlanCols, c, start, len, fp, a.prev_slots[c],
-                      carry[kSVer] + v[kSVer], a.expect_end != nullptr, a.expect_end != nullptr ? a.expect_end[c] : 0);
+      plan_sweep_fill(plan + (carry[kSSeg] + v[kSSeg]) * kNumPlanCols, c, ch.start, ch.len, ch.first_position,
+                      ch.prev_slot, carry[kSVer] + v[kSVer], has_expect_end, ch.expect_end);
     }
 #pragma unroll
     for (int k = 0; k < kSLanes; ++k) carry[k] += total[k];
   }
   if (threadIdx.x == 0) {
-    a.status[col(PlanStatusCol::NUM_SEGMENTS)] = carry[kSSeg];
-    a.status[col(PlanStatusCol::VERIFY_ENTRIES)] = carry[kSVer];
-    a.status[col(PlanStatusCol::WRITE_ENTRIES)] = 0;
-    a.status[col(PlanStatusCol::INPUT_ERRORS)] = carry[kSErr];
-    a.status[col(PlanStatusCol::OVERFLOW)] = 0;
+    status[col(PlanStatusCol::NUM_SEGMENTS)] = carry[kSSeg];
+    status[col(PlanStatusCol::VERIFY_ENTRIES)] = carry[kSVer];
+    status[col(PlanStatusCol::WRITE_ENTRIES)] = 0;
+    status[col(PlanStatusCol::INPUT_ERRORS)] = carry[kSErr];
+    status[col(PlanStatusCol::OVERFLOW)] = 0;
   }
+}
+
+void check_sweep_plan_out(const TensorView& plan, const TensorView& status, const TensorView& slots, int64_t n) {
+  check_cuda(plan, "plan");
+  check_i64_tensor(plan, plan, 2, "plan", "plan");
+  check_dim(plan, 1, kNumPlanCols, "plan");
+  check_i64_tensor(status, plan, 1, "status", "plan");
+  check_dim(status, 0, kNumPlanStatusCols, "status");
+  check_i64_tensor(slots, plan, 1, "slots", "plan");
+  TVM_FFI_CHECK(plan.size(0) >= n, ValueError) << "plan capacity " << plan.size(0) << " < chains " << n;
+}
+
+template <typename Chains>
+void launch_sweep_plan(const TensorView& plan, const TensorView& status, const Chains& chains, int64_t n,
+                       int64_t n_slots, bool has_expect_end) {
+  const DLDevice dev = plan.device();
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  plan_sweep_kernel<<<1, kPlanThreads, 0, stream_of(dev)>>>(chains, static_cast<int64_t*>(plan.data_ptr()),
+                                                            static_cast<int64_t*>(status.data_ptr()), n, n_slots,
+                                                            has_expect_end);
+  check_launch();
 }
 
 }  // namespace
@@ -182,16 +220,9 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
 
 void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView starts, TensorView lens,
                 TensorView first_positions, TensorView prev_slots, TensorView expect_end, int64_t has_expect_end) {
-  check_cuda(plan, "plan");
-  check_i64_tensor(plan, plan, 2, "plan", "plan");
-  check_dim(plan, 1, kNumPlanCols, "plan");
-  check_i64_tensor(status, plan, 1, "status", "plan");
-  check_dim(status, 0, kNumPlanStatusCols, "status");
-  check_index_dtype(slots, "slots");
-  check_ndim(slots, 1, "slots");
-  check_same_device(slots, plan, "slots", "plan");
   check_i64_tensor(starts, plan, 1, "starts", "plan");
   const int64_t n = starts.size(0);
+  check_sweep_plan_out(plan, status, slots, n);
   for (auto [t, name] : {std::pair<TensorView*, const char*>{&lens, "lens"}, {&first_positions, "first_positions"},
                          {&prev_slots, "prev_slots"}}) {
     check_i64_tensor(*t, plan, 1, name, "plan");
@@ -201,20 +232,23 @@ void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView
     check_i64_tensor(expect_end, plan, 1, "expect_end", "plan");
     check_dim(expect_end, 0, n, "expect_end");
   }
-  TVM_FFI_CHECK(plan.size(0) >= n, ValueError) << "plan capacity " << plan.size(0) << " < chains " << n;
-  PlanSweepArgs a{static_cast<int64_t*>(plan.data_ptr()),
-                  static_cast<int64_t*>(status.data_ptr()),
-                  static_cast<const int64_t*>(starts.data_ptr()),
-                  static_cast<const int64_t*>(lens.data_ptr()),
-                  static_cast<const int64_t*>(first_positions.data_ptr()),
-                  static_cast<const int64_t*>(prev_slots.data_ptr()),
-                  has_expect_end ? static_cast<const int64_t*>(expect_end.data_ptr()) : nullptr,
-                  n,
-                  slots.size(0)};
-  const DLDevice dev = plan.device();
-  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
-  plan_sweep_kernel<<<1, kPlanThreads, 0, stream_of(dev)>>>(a);
-  check_launch();
+  const SweepArrays chains{static_cast<const int64_t*>(starts.data_ptr()), static_cast<const int64_t*>(lens.data_ptr()),
+                           static_cast<const int64_t*>(first_positions.data_ptr()),
+                           static_cast<const int64_t*>(prev_slots.data_ptr()),
+                           has_expect_end ? static_cast<const int64_t*>(expect_end.data_ptr()) : nullptr};
+  launch_sweep_plan(plan, status, chains, n, slots.size(0), has_expect_end != 0);
+}
+
+void plan_roll(TensorView plan, TensorView status, TensorView chain_out, TensorView slots, TensorView starts,
+               TensorView lens, TensorView ends, TensorView first_positions, TensorView prev_slots, TensorView unlocked,
+               int64_t has_unlocked, TensorView inv, int64_t num_slot_ids, int64_t cursor) {
+  check_i64_tensor(chain_out, plan, 1, "chain_out", "plan");
+  const int64_t width = chain_out.size(0);
+  check_sweep_plan_out(plan, status, slots, width);
+  const RollSource src = roll_source(slots, starts, lens, ends, first_positions, prev_slots, unlocked, has_unlocked,
+                                     inv, num_slot_ids, cursor);
+  launch_sweep_plan(plan, status, RollChains{src, cursor, static_cast<int64_t*>(chain_out.data_ptr())}, width,
+                    slots.size(0), false);
 }
 
 }  // namespace cuda
@@ -222,3 +256,4 @@ void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_forward, kvcanary::cuda::plan_forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_sweep, kvcanary::cuda::plan_sweep);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_roll, kvcanary::cuda::plan_roll);

@@ -195,6 +195,8 @@ class PrefixCacheExport:
     ``prev_slots[c]`` is the slot before its first (NO_SLOT = chain head); ``unlocked[c]`` is True when no
     running request holds it; ``expect_end[c]`` (optional) is the true chain value after its last token;
     ``holders[c]`` (optional, host) names the requests that last held the chain, for sweep reports.
+    An export is immutable once returned: an adapter whose cache has not changed may return the same object again,
+    and the rolling sweep then reuses what it derived from it; a changed cache needs a new object.
     """
 
     slots: torch.Tensor  # int64 [N]

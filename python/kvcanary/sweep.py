@@ -9,7 +9,7 @@ import torch
 from kvcanary_schema import Stage
 
 from kvcanary.adapter import PrefixCacheExport
-from kvcanary.ops.plan import plan_sweep
+from kvcanary.ops.plan import plan_roll, plan_sweep
 from kvcanary.ops.verify import verify
 from kvcanary.report import CachedChain
 from kvcanary.state import CanaryState
@@ -67,8 +67,10 @@ class Sweeper:
         self.chains_last = 0
         self.cursor = 0  # rolling sweep: first table slot id of the next slice
         self.slices = 0  # rolling-sweep slices launched
-        width = state.config.sweep_slice
-        self.window = torch.arange(width, dtype=torch.int64, device=state.device)
+        # rolling sweep: the export chain of each slice entry
+        self.chain_out = torch.zeros(state.config.sweep_slice, dtype=torch.int64, device=state.device)
+        # the last export rolled over and what the slice plan derives from it (running ends, unlocked flags)
+        self._derived: tuple[PrefixCacheExport, torch.Tensor, torch.Tensor | None] | None = None
 
     def run(self, export: PrefixCacheExport) -> int:
         """Verify every chain of ``export`` (eager, outside any graph); returns the verify launches per group/half."""
@@ -94,36 +96,38 @@ class Sweeper:
         (nothing launched) when nothing is cached.
 
         Needs an export whose chains lie back to back in order (``starts`` = exclusive running sum of ``lens``, as
-        the reference engine's and the transformers integration's are); slots of other chains are skipped.
+        the reference engine's and the transformers integration's are); slots of other chains are skipped. What the
+        slice plan needs of the export (its inverse slot map, running ends) is derived once per export object, so an
+        adapter that returns the same object while its cache is unchanged pays one plan launch per forward.
         """
         st = self.state
-        export.validate(st.device)
-        m, width, total = st.pool.num_slots, self.window.shape[0], export.slots.shape[0]
-        ids = (self.cursor + self.window) % m
+        m, width = st.pool.num_slots, self.chain_out.shape[0]
+        cursor = self.cursor
         self.cursor = (self.cursor + width) % m
-        if total == 0 or export.num_chains == 0:
+        if export.slots.shape[0] == 0 or export.num_chains == 0:
             return None
-        sl = export.slots
-        st.sweep_inv.fill_(-1)
-        st.sweep_inv.index_copy_(0, torch.where((sl >= 0) & (sl < m), sl, m),
-                                 torch.arange(total, dtype=torch.int64, device=st.device))
-        k = st.sweep_inv[ids]  # flat export index of each slot id of the slice, -1 = not cached
-        kc = k.clamp(min=0)
-        lens = export.lens.clamp(min=0)
-        ends = torch.cumsum(lens, 0)
-        chain = torch.searchsorted(ends, kc, right=True).clamp(max=export.num_chains - 1)
-        start = export.starts[chain]
-        ok = (k >= 0) & (start == ends[chain] - lens[chain]) & (kc >= start) & (kc < ends[chain])
-        if self.unlocked_only and export.unlocked is not None:
-            ok &= export.unlocked[chain]
-        off = kc - start
-        prev = torch.where(off > 0, sl[(kc - 1).clamp(min=0)], export.prev_slots[chain])
-        plan_sweep(st.sweep_plan, st.sweep_status, sl, torch.where(ok, kc, 0), ok.to(torch.int64),
-                   export.first_positions[chain] + off, prev, backend=self.backend)
-        self._verify(sl)
+        if self._derived is None or self._derived[0] is not export:
+            self._derived = (export, *self._derive(export))
+        _, ends, unlocked = self._derived
+        plan_roll(st.sweep_plan, st.sweep_status, self.chain_out, export.slots, export.starts, export.lens, ends,
+                  export.first_positions, export.prev_slots, st.sweep_inv, m, cursor, unlocked=unlocked,
+                  backend=self.backend)
+        self._verify(export.slots)
         self.launched += 1
         self.slices += 1
-        return SweepSlice(export, chain)
+        return SweepSlice(export, self.chain_out.clone())
+
+    def _derive(self, export: PrefixCacheExport) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Validate a new export and fill the inverse slot map; its running chain ends and unlocked flags (int64)."""
+        st = self.state
+        export.validate(st.device)
+        sl, m = export.slots, st.pool.num_slots
+        st.sweep_inv.fill_(-1)  # slot ids outside [0, m) land in the spare last entry, which no slice reads
+        st.sweep_inv.index_copy_(0, torch.where((sl >= 0) & (sl < m), sl, m),
+                                 torch.arange(sl.shape[0], dtype=torch.int64, device=st.device))
+        ends = torch.cumsum(export.lens.clamp(min=0), 0)
+        unlocked = export.unlocked.to(torch.int64) if self.unlocked_only and export.unlocked is not None else None
+        return ends, unlocked
 
     def _verify(self, slots: torch.Tensor) -> None:
         st = self.state

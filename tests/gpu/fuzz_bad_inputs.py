@@ -7,7 +7,7 @@ import random
 
 import torch
 from kvcanary.ops.fingerprint import fingerprint
-from kvcanary.ops.plan import plan_forward
+from kvcanary.ops.plan import plan_forward, plan_roll
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.types import Sink, TokenPool
 from kvcanary.ops.verify import verify
@@ -53,6 +53,16 @@ def main() -> None:
         plan_forward(plan, status, torch.randint(-2, 7, (bs,), device=dev), torch.randint(-2, 11, (bs,), device=dev),
                      torch.randint(-2, 11, (bs,), device=dev), table, rng.randint(0, 30), window=rng.choice([0, 3]),
                      backend="cuda")
+        # rolling-sweep slice of a spoiled export (bad inverse entries, starts, lens, non-monotone ends)
+        import test_plan_roll as TR  # noqa: PLC0415
+
+        e, m, cursor, width = TR._random_export(rng)
+        plan = torch.zeros(width + 1, NUM_PLAN_COLS, dtype=torch.int64, device=dev)
+        t = {k: torch.tensor(getattr(e, k), dtype=torch.int64, device=dev) for k in
+             ("slots", "starts", "lens", "ends", "firsts", "prevs", "inv")}
+        plan_roll(plan, status, torch.zeros(width, dtype=torch.int64, device=dev), t["slots"], t["starts"], t["lens"],
+                  t["ends"], t["firsts"], t["prevs"], t["inv"], m, cursor, backend="cuda",
+                  unlocked=None if e.unlocked is None else torch.tensor(e.unlocked, dtype=torch.int64, device=dev))
         # scatter with bad requests (distinct rows)
         pool = TokenPool(torch.zeros(6, 20, dtype=torch.int64, device=dev), torch.zeros(6, dtype=torch.int64,
                                                                                         device=dev))

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
 from kvcanary.ops.fingerprint import fingerprint
-from kvcanary.ops.plan import plan_forward, plan_sweep
+from kvcanary.ops.plan import plan_forward, plan_roll, plan_sweep
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
 from kvcanary.ops.verify import verify
@@ -139,6 +140,73 @@ def test_plan_ops_match(seed: int) -> None:
     n = int(souts["cpu"][1][PlanStatusCol.NUM_SEGMENTS])
     assert torch.equal(souts["cuda"][1], souts["cpu"][1])
     assert torch.equal(souts["cuda"][0][:n], souts["cpu"][0][:n])
+
+
+def _roll_outputs(e: Any, m: int, cursor: int, width: int, backend: str, dev: str) -> list[torch.Tensor]:
+    """plan_roll of a test_plan_roll Export on ``backend``: plan rows in use, status, chain_out."""
+    plan = torch.full((width + 1, NUM_PLAN_COLS), -9, dtype=torch.int64, device=dev)
+    status = torch.full((NUM_PLAN_STATUS_COLS,), -9, dtype=torch.int64, device=dev)
+    chain_out = torch.full((width,), -9, dtype=torch.int64, device=dev)
+    t = {k: torch.tensor(getattr(e, k), dtype=torch.int64, device=dev) for k in
+         ("slots", "starts", "lens", "ends", "firsts", "prevs", "inv")}
+    un = e.unlocked
+    plan_roll(plan, status, chain_out, t["slots"], t["starts"], t["lens"], t["ends"], t["firsts"], t["prevs"],
+              t["inv"], m, cursor, unlocked=None if un is None else torch.tensor(un, device=dev), backend=backend)
+    n = int(status[PlanStatusCol.NUM_SEGMENTS])
+    return [plan[:n].cpu(), status.cpu(), chain_out.cpu()]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_plan_roll_matches(seed: int) -> None:
+    import test_plan_roll as TR  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    if seed % 3 == 0:  # a large pool: slices wider than one block, many chains
+        m = rng.choice([5000, 70000])
+        slots = rng.sample(range(m), m // 2)
+        cuts = sorted(rng.sample(range(1, len(slots)), 300))
+        chains = [slots[a:b] for a, b in zip([0, *cuts], [*cuts, len(slots)], strict=True)]
+        e = TR.export_of(chains, m, [rng.randint(0, 9000) for _ in chains],
+                         [rng.choice([-1, rng.randrange(m)]) for _ in chains],
+                         [rng.randint(0, 1) for _ in chains] if seed % 2 else None)
+        cursor, width = rng.randrange(m), rng.choice([512, 1500])
+    else:
+        e, m, cursor, width = TR._random_export(rng)
+    want = TR.oracle_roll(e, m, cursor, width)
+    outs = {b: _roll_outputs(e, m, cursor, width, b, d) for b, d in (("cuda", CUDA), ("cpu", "cpu"), ("torch", CUDA))}
+    for other in ("cpu", "torch"):
+        for a, b in zip(outs["cuda"], outs[other], strict=True):
+            assert torch.equal(a, b), other
+    assert [x.tolist() for x in outs["cuda"]] == [want[0], want[1], want[2]]
+
+
+def test_plan_roll_graph_replay() -> None:
+    """plan_roll captured once, replayed with another cursor's inverse contents: equals an eager run."""
+    import test_plan_roll as TR  # noqa: PLC0415
+
+    rng = random.Random(5)
+    m, width = 4000, 512
+    slots = rng.sample(range(m), 3000)
+    e = TR.export_of([slots[:1000], slots[1000:]], m, [0, 7], [-1, 3])
+    t = {k: torch.tensor(getattr(e, k), dtype=torch.int64, device=CUDA) for k in
+         ("slots", "starts", "lens", "ends", "firsts", "prevs", "inv")}
+    plan = torch.zeros(width, NUM_PLAN_COLS, dtype=torch.int64, device=CUDA)
+    status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=CUDA)
+    chain_out = torch.zeros(width, dtype=torch.int64, device=CUDA)
+    args = (plan, status, chain_out, t["slots"], t["starts"], t["lens"], t["ends"], t["firsts"], t["prevs"],
+            t["inv"], m, 100)
+    plan_roll(*args, backend="cuda")  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan_roll(*args, backend="cuda")
+    e2 = TR.export_of([slots[2000:], slots[:2000]], m, [3, 0], [5, -1])  # the same shapes, other contents
+    for k in ("starts", "lens", "ends", "firsts", "prevs", "inv", "slots"):
+        t[k].copy_(torch.tensor(getattr(e2, k), dtype=torch.int64))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = TR.oracle_roll(e2, m, 100, width)
+    n = int(status[PlanStatusCol.NUM_SEGMENTS])
+    assert [plan[:n].tolist(), status.tolist(), chain_out.tolist()] == [want[0], want[1], want[2]]
 
 
 # ---- large batches: tiles, long segments, SWA windows, fingerprints ------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.skipif(os.environ.get("KVCANARY_WHEEL_TEST") != "1",
                                 reason="runs against an installed wheel in `nox -s tests_wheel`")
 
-CUDA_OPS = ("plan_forward", "plan_sweep", "verify", "write", "fingerprint", "scatter_tokens")
+CUDA_OPS = ("plan_forward", "plan_sweep", "plan_roll", "verify", "write", "fingerprint", "scatter_tokens")
 WHEEL_CUDA_ARCHS = ["80-real", "90a-real", "100-real", "100-virtual"]
 
 

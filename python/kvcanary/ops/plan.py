@@ -111,6 +111,44 @@ def plan_sweep(plan: torch.Tensor, status: torch.Tensor, slots: torch.Tensor, st
                                  int(ee is not None))
 
 
+def plan_roll(plan: torch.Tensor, status: torch.Tensor, chain_out: torch.Tensor, slots: torch.Tensor,
+              starts: torch.Tensor, lens: torch.Tensor, ends: torch.Tensor, first_positions: torch.Tensor,
+              prev_slots: torch.Tensor, inv: torch.Tensor, num_slot_ids: int, cursor: int, *,
+              unlocked: torch.Tensor | None = None, backend: str = "torch") -> None:
+    """Plan one rolling-sweep slice of ``W = len(chain_out)`` table slot ids from ``cursor`` (docs/ops-contract.md 3a).
+
+    The export (``slots [N]``, per chain ``starts``, ``lens``, ``first_positions``, ``prev_slots`` and the optional
+    ``unlocked``, int64 ``[n]``) comes with ``ends`` (running sum of ``max(lens, 0)``) and ``inv`` (int64
+    ``[>= num_slot_ids]``: flat export index of each table slot, < 0 = not cached), both derived once per export.
+    Slice entry i becomes a one-slot sweep chain (or an empty one) and ``chain_out[i]`` its export chain (-1 = none);
+    verify the plan with ``table = slots.view(1, N)``.
+    """
+    device = slots.device if isinstance(slots, torch.Tensor) else torch.device("cpu")
+    sl = check_tensor(slots, "slots", ndim=1)
+    st = check_tensor(starts, "starts", ndim=1, device=device)
+    n = st.shape[0]
+    named = ((lens, "lens"), (ends, "ends"), (first_positions, "first_positions"), (prev_slots, "prev_slots"))
+    ln, en, fp, pv = (check_tensor(t, name, ndim=1, device=device, shape=(n,)) for t, name in named)
+    un = None if unlocked is None else check_tensor(unlocked, "unlocked", ndim=1, device=device, shape=(n,))
+    co = check_tensor(chain_out, "chain_out", ndim=1, device=device)
+    iv = check_tensor(inv, "inv", ndim=1, device=device)
+    m = _check_scalar(num_slot_ids, "num_slot_ids", 1)
+    if iv.shape[0] < m:
+        raise CanaryInputError(f"inv has {iv.shape[0]} entries, needs num_slot_ids = {m}")
+    cursor = _check_scalar(cursor, "cursor", 0)
+    if cursor >= m:
+        raise CanaryInputError(f"cursor must be < num_slot_ids = {m}, got {cursor}")
+    p, s = check_plan_buffers(plan, status, device)
+    if p.shape[0] < co.shape[0]:
+        raise CanaryInputError(f"plan has {p.shape[0]} rows, the slice has {co.shape[0]} entries")
+    b = check_backend(backend, device)
+    if b == "torch":
+        _plan_roll_torch(p, s, co, sl, st, ln, en, fp, pv, un, iv, m, cursor)
+        return
+    _native.module(b).plan_roll(p, s, co, sl, st, ln, en, fp, pv, empty_i64(device) if un is None else un,
+                                int(un is not None), iv, m, cursor)
+
+
 # ---- torch reference -------------------------------------------------------------------------------------------
 
 def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -211,3 +249,44 @@ def _plan_sweep_torch(plan: torch.Tensor, status: torch.Tensor, n_slots: int, st
     rows[:, PlanCol.FLAGS] = flags
     zero = torch.zeros((), dtype=torch.int64, device=starts.device)
     _write_segments(plan, status, ok, rows, torch.zeros_like(lens), (~ok).sum(), zero)
+
+
+def _first_past(ends: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Per k, the first index with ends > k (len(ends) if none) by the same binary search as csrc/core/plan.cuh, so
+    that non-monotone ``ends`` give the same (unspecified) chain in every backend."""
+    lo, hi = torch.zeros_like(k), torch.full_like(k, ends.shape[0])
+    while True:
+        active = lo < hi
+        if not bool(active.any()):
+            return lo
+        mid = lo + (hi - lo) // 2
+        past = ends[mid.clamp(max=ends.shape[0] - 1)] > k
+        hi = torch.where(active & past, mid, hi)
+        lo = torch.where(active & ~past, mid + 1, lo)
+
+
+def _plan_roll_torch(plan: torch.Tensor, status: torch.Tensor, chain_out: torch.Tensor, slots: torch.Tensor,
+                     starts: torch.Tensor, lens: torch.Tensor, ends: torch.Tensor, first_positions: torch.Tensor,
+                     prev_slots: torch.Tensor, unlocked: torch.Tensor | None, inv: torch.Tensor, m: int,
+                     cursor: int) -> None:
+    d, n, big = slots.device, starts.shape[0], slots.shape[0]
+    ids = (cursor + torch.arange(chain_out.shape[0], dtype=torch.int64, device=d)) % m
+    k = inv[ids]
+    ok = (k >= 0) & (k < big) & (n > 0)
+    kc = torch.where(ok, k, 0)
+    chain = _first_past(ends, kc) if n else torch.zeros_like(k)
+    ok &= chain < n
+    c = chain.clamp(max=max(n - 1, 0))
+
+    def at(t: torch.Tensor) -> torch.Tensor:  # t[c] (zeros when there is no chain)
+        return t[c] if n else torch.zeros_like(k)
+    start = at(starts)
+    ok &= (start >= 0) & (start == at(ends) - at(lens).clamp(min=0)) & (kc >= start)
+    if unlocked is not None and n:
+        ok &= unlocked[c] != 0
+    kc = torch.where(ok, k, 0)
+    off = kc - start
+    prev = torch.where(off > 0, slots[(kc - 1).clamp(min=0)] if big else kc, at(prev_slots))
+    chain_out.copy_(torch.where(ok, c, -1))
+    _plan_sweep_torch(plan, status, big, kc, ok.to(torch.int64), torch.where(ok, at(first_positions) + off, 0),
+                      torch.where(ok, prev, NO_SLOT), None)

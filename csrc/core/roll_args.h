@@ -1,0 +1,51 @@
+// Host checks of the rolling-sweep slice arguments (plan_roll) and the raw view both backends plan from.
+#pragma once
+
+#include "plan.cuh"
+#include "tensor_checks.h"
+
+namespace kvcanary {
+
+// One sweep chain as plan_sweep consumes it (docs/ops-contract.md 3).
+struct SweepChain {
+  int64_t start, len, first_position, prev_slot, expect_end;
+};
+
+// Validates every export argument of plan_roll (raising ValueError/TypeError naming it) before any launch.
+inline RollSource roll_source(const TensorView& slots, const TensorView& starts, const TensorView& lens,
+                              const TensorView& ends, const TensorView& first_positions, const TensorView& prev_slots,
+                              const TensorView& unlocked, int64_t has_unlocked, const TensorView& inv,
+                              int64_t num_slot_ids, int64_t cursor) {
+  check_i64_tensor(starts, slots, 1, "starts", "slots");
+  const int64_t n = starts.size(0);
+  for (auto [t, name] : {std::pair<const TensorView*, const char*>{&lens, "lens"}, {&ends, "ends"},
+                         {&first_positions, "first_positions"}, {&prev_slots, "prev_slots"}}) {
+    check_i64_tensor(*t, slots, 1, name, "slots");
+    check_dim(*t, 0, n, name);
+  }
+  check_i64_tensor(unlocked, slots, 1, "unlocked", "slots");
+  if (has_unlocked) {
+    check_dim(unlocked, 0, n, "unlocked");
+  } else {
+    TVM_FFI_CHECK(unlocked.size(0) == 0, ValueError) << "unlocked must be empty when absent";
+  }
+  check_i64_tensor(inv, slots, 1, "inv", "slots");
+  TVM_FFI_CHECK(num_slot_ids >= 1, ValueError) << "num_slot_ids must be >= 1, got " << num_slot_ids;
+  TVM_FFI_CHECK(inv.size(0) >= num_slot_ids, ValueError)
+      << "inv has " << inv.size(0) << " entries, needs num_slot_ids = " << num_slot_ids;
+  TVM_FFI_CHECK(cursor >= 0 && cursor < num_slot_ids, ValueError)
+      << "cursor must be in [0, " << num_slot_ids << "), got " << cursor;
+  return RollSource{static_cast<const int64_t*>(inv.data_ptr()),
+                    num_slot_ids,
+                    static_cast<const int64_t*>(slots.data_ptr()),
+                    slots.size(0),
+                    static_cast<const int64_t*>(starts.data_ptr()),
+                    static_cast<const int64_t*>(lens.data_ptr()),
+                    static_cast<const int64_t*>(ends.data_ptr()),
+                    static_cast<const int64_t*>(first_positions.data_ptr()),
+                    static_cast<const int64_t*>(prev_slots.data_ptr()),
+                    has_unlocked ? static_cast<const int64_t*>(unlocked.data_ptr()) : nullptr,
+                    n};
+}
+
+}  // namespace kvcanary
