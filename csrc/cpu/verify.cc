@@ -24,7 +24,8 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
             int64_t table_page, int64_t fp_share) {
   const VerifyArgs a = make_verify_args(kDLCPU, records, swa_map, has_swa_map, reserved_slots, tag_k, tag_v, plan,
                                         status, table, ring_rows, ring_count, counters, step, pool_tokens, pool_lens,
-                                        has_pool, token_offset, fp_table, fp_mode, fp_layer_stride, table_page, fp_share);
+                                        has_pool, token_offset, fp_table, fp_mode, fp_layer_stride, table_page,
+                                        fp_share);
   const VerifyParams& P = a.P;
   const int64_t halves = P.halves;
   const bool want_fp = a.want_fp;

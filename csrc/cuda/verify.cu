@@ -264,7 +264,8 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
             int64_t table_page, int64_t fp_share) {
   const VerifyArgs a = make_verify_args(kDLCUDA, records, swa_map, has_swa_map, reserved_slots, tag_k, tag_v, plan,
                                         status, table, ring_rows, ring_count, counters, step, pool_tokens, pool_lens,
-                                        has_pool, token_offset, fp_table, fp_mode, fp_layer_stride, table_page, fp_share);
+                                        has_pool, token_offset, fp_table, fp_mode, fp_layer_stride, table_page,
+                                        fp_share);
   const int64_t halves = a.P.halves;
   VerifyLaunch L{};
   L.P = a.P;
@@ -281,7 +282,8 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
   auto* kernel = halves == 2 ? (all ? verify_kernel<2, true> : verify_kernel<2, false>)
                              : (all ? verify_kernel<1, true> : verify_kernel<1, false>);
   const int64_t full = static_cast<int64_t>(sm_count(dev.device_id)) *
-                       resident_blocks(kernel, kVerifyThreads, dev.device_id, g_verify_occupancy[halves - 1][all ? 1 : 0]);
+                       resident_blocks(kernel, kVerifyThreads, dev.device_id,
+                                       g_verify_occupancy[halves - 1][all ? 1 : 0]);
   const int64_t cols = a.P.table.cols;
   const int64_t most = cols > 0 && plan.size(0) > (int64_t{1} << 40) / cols ? (int64_t{1} << 40) : plan.size(0) * cols;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(full, ceil_div(most, kVerifyThreads))));

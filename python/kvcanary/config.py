@@ -240,8 +240,8 @@ class CanaryConfig:
         return cls(**kwargs)
 
 
-_INT_KNOBS = {"layer_stride", "fingerprint_share", "stripe_size", "window_links", "sweep_interval", "sweep_slice", "sweep_capacity",
-              "ring_capacity",
+_INT_KNOBS = {"layer_stride", "fingerprint_share", "stripe_size", "window_links", "sweep_interval", "sweep_slice",
+              "sweep_capacity", "ring_capacity",
               "report_interval", "stats_interval", "log_rate_limit", "req_capacity", "token_capacity"}
 _BOOL_KNOBS = {"input_asserts", "chain_position_assert", "structural_check", "watchdog", "sweep_unlocked_only", "seal",
                "reuse_check"}
