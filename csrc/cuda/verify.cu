@@ -1,8 +1,7 @@
 // CUDA verify (docs/ops-contract.md 4): both halves in one launch, entries derived from the plan segments on the
 // device, one 16-byte-vector gather of a slot's K and V records per entry, the predecessor's link passed from the
-// neighbouring lane; PARTIAL fingerprints per lane, issued with the record gathers; ALL fingerprints by the whole
-// block (rows dealt to its warps), with few entries spread one or a few per block over the grid; a persistent grid
-// sized from the SM count.
+// neighbouring lane; PARTIAL fingerprints per lane; ALL fingerprints by the whole block (rows dealt to its warps),
+// with few entries spread one or a few per block over the grid; a persistent grid sized from the SM count.
 #include <tvm/ffi/function.h>
 
 #include "core/verify_args.h"
@@ -181,9 +180,9 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
       if (ok) rec[h] = load_record(P.records, ent.slot.slot * halves + h, L.vec);
       if (own_pred) pred_rec[h] = load_record(P.records, ent.pred_slot * halves + h, L.vec);
     }
-    // Whether this entry's fingerprint is checked (the share; a position inside [0, TOKEN_LIMIT)). PARTIAL: its
-    // bytes are pulled into L1 right behind the record gathers (they do not depend on them), so the two random reads
-    // overlap instead of following each other; hashed below from L1 (a prefetch holds no registers).
+    // Whether this entry's fingerprint is checked (the share; a position inside [0, TOKEN_LIMIT)). (An L1 prefetch
+    // of the PARTIAL bytes here, beside the record gathers, doubled this register-capped kernel's spills; the verify
+    // runs at the random-gather rate, so it was left out.)
     const bool fp_here = ok && want_fp && chain_value_ok(ent.position) && verify_fp_selected(P, seg, ent.position);
     // While those gathers are in flight, pull this thread's next entry's records into L2 (no registers held): its
     // gather in the next iteration then waits on L2, not DRAM. Only a slot that resolves is prefetched (in bounds).
@@ -277,7 +276,8 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
   const DLDevice dev = records.device();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   // Persistent grid sized from the SM count, but no larger than the most entries the plan's shape allows (each
-  // valid segment holds at most table.cols entries): small forwards launch few blocks.
+  // valid segment holds at most table.cols entries): small forwards launch few blocks. ALL mode may give each block
+  // a single entry (verify_per_block), so its bound is one block per entry.
   const bool all = a.want_fp && a.P.fp.mode == static_cast<int32_t>(FingerprintMode::ALL);
   auto* kernel = halves == 2 ? (all ? verify_kernel<2, true> : verify_kernel<2, false>)
                              : (all ? verify_kernel<1, true> : verify_kernel<1, false>);
@@ -286,7 +286,8 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
                                        g_verify_occupancy[halves - 1][all ? 1 : 0]);
   const int64_t cols = a.P.table.cols;
   const int64_t most = cols > 0 && plan.size(0) > (int64_t{1} << 40) / cols ? (int64_t{1} << 40) : plan.size(0) * cols;
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(full, ceil_div(most, kVerifyThreads))));
+  const int64_t per_block_max = all ? 1 : kVerifyThreads;
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(full, ceil_div(most, per_block_max))));
   kernel<<<grid, kVerifyThreads, 0, stream_of(dev)>>>(L);
   check_launch();
 }
