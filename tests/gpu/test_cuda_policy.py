@@ -152,7 +152,7 @@ def test_policy_fuzz(seed: int) -> None:
     pres = [rng.randrange(0, 90) for _ in range(bs)]
     exts = [rng.choice([1, 1, 2, 5, 40]) for _ in range(bs)]
     pol = make_policy(200 + seed, bs=bs, prefix=pres, ext=exts, halves=rng.choice([1, 2]),
-                      layers=rng.randint(1, 20), row_bytes=16 * rng.randint(1, 140), share=rng.choice([1, 2, 4]))
+                      layers=rng.randint(1, 12), row_bytes=16 * rng.randint(1, 40), share=rng.choice([1, 2, 4]))
     got = run_policy(pol, "cuda", CUDA)
     assert_policy_equal(got, run_policy(pol, "torch", CUDA), f"seed {seed} vs torch")
 
