@@ -150,6 +150,8 @@ class Scenario:
     fp: str = "none"  # none / partial / all / default (CanaryConfig()'s policy, docs/defaults.md)
     layout: str = "perm"  # perm / contig
     sweep_slice: int = 0  # default policy: rolling-sweep slots verified in the same graph (0 = per-forward only)
+    share: int = 1  # default policy: CanaryConfig.fingerprint_share (TAIL verify fingerprints 1/share of the slots)
+    fold_reuse: bool = True  # default policy: the reuse plan in the forward plan's launch (plan_forward reuse=...)
     sglang_us: float | None = None
     target: str = "<= max(10 us, 1.25 x floor)"
     structural: bool = True  # WriteCheck.STRUCTURAL on the HEAD write, as the runtime's default
@@ -216,16 +218,21 @@ def scenarios(quick: bool) -> list[Scenario]:
 
 def policy_scenarios() -> list[Scenario]:
     """The default policy (issue 14) at decode bs 256 prefix 4096 against no fingerprint, K and K+V: per forward
-    (target <= 1.25 x the fp-none time) and with the rolling sweep's slice in the same graph (its cost stated)."""
+    (target <= 1.25 x the fp-none time), with the fingerprint share 2 and 4 (CanaryConfig.fingerprint_share), with
+    the reuse plan as its own launch (the runtime before the fold), and with the rolling sweep's slice in the same
+    graph (its cost stated)."""
     out = []
     for halves in (1, 2):
         kv = "K+V" if halves == 2 else "K"
         out.append(Scenario(f"fp none decode bs256 pre4096 ext1 {kv} perm (policy base)", 256, 4096, 1, halves))
-        for width in (0, DEFAULT_SWEEP_SLICE):
-            name = f"fp default{' + sweep slice ' + str(width) if width else ''} ({POLICY_LAYERS} layers) decode " \
-                   f"bs256 pre4096 ext1 {kv} perm"
-            target = "<= 1.25 x fp none" if not width else "stated (sweep slice cost)"
-            out.append(Scenario(name, 256, 4096, 1, halves, fp="default", sweep_slice=width, target=target))
+        variants: list[tuple[str, dict[str, Any]]] = [
+            ("", {}), (" share 2", {"share": 2}), (" share 4", {"share": 4}),
+            (" reuse plan separate", {"fold_reuse": False}),
+            (f" + sweep slice {DEFAULT_SWEEP_SLICE}", {"sweep_slice": DEFAULT_SWEEP_SLICE})]
+        for label, kw in variants:
+            name = f"fp default{label} ({POLICY_LAYERS} layers) decode bs256 pre4096 ext1 {kv} perm"
+            target = "stated (sweep slice cost)" if kw.get("sweep_slice") else "<= 1.25 x fp none"
+            out.append(Scenario(name, 256, 4096, 1, halves, fp="default", target=target, **kw))
     return out
 
 
@@ -258,7 +265,7 @@ class State:
                                                 generator=gen)) for _ in range(POLICY_LAYERS)]
                       for _ in range(sc.halves)]
             srcs_all = FingerprintSources(layers, space)
-            self.fp = Fingerprint(srcs_all, FingerprintMode.PARTIAL, POLICY_LAYERS)
+            self.fp = Fingerprint(srcs_all, FingerprintMode.PARTIAL, POLICY_LAYERS, sc.share)
             self.seal = Fingerprint(srcs_all, FingerprintMode.ALL)
         elif sc.fp != "none":
             srcs = [[SourceSpec(torch.randint(0, 256, (space, FP_ROW_BYTES), dtype=torch.uint8, device=DEV,
@@ -320,18 +327,21 @@ class State:
 
     def forward(self, backend: str, head: GroupView | None = None, tail: GroupView | None = None,
                 sink: Sink | None = None) -> None:
-        """plan -> HEAD verify -> HEAD write -> TAIL verify -> TAIL write (default policy: plan and HEAD verify;
-        after the forward the reuse check, the sealed HEAD write, TAIL verify and write, the sweep slice)."""
+        """plan -> HEAD verify -> HEAD write -> TAIL verify -> TAIL write (default policy: plan with the reuse plan
+        folded in, and HEAD verify; after the forward the reuse check, the sealed HEAD write, TAIL verify and write,
+        the sweep slice)."""
         h, t, s = head or self.head, tail or self.tail, sink or self.sink
         n = int(self.ids.numel())
+        fold = self.seal is not None and self.sc.fold_reuse
         plan_forward(self.plan, self.status, self.rpi, self.pre, self.ext, self.table, n,
                      window=self.sc.window, expect_prefix=self.expect_prefix, expect_new=self.expect_new,
-                     backend=backend)
+                     reuse=(self.reuse_plan, self.reuse_status, self.zeros) if fold else None, backend=backend)
         verify(h, Stage.HEAD, self.plan, self.status, self.table, s, backend=backend)
         head_checks = CHECKS | (int(WriteCheck.STRUCTURAL) if self.sc.structural else 0)
         if self.seal is not None:
-            plan_forward(self.reuse_plan, self.reuse_status, self.rpi, self.zeros, self.zeros, self.table, n,
-                         backend=backend)
+            if not fold:
+                plan_forward(self.reuse_plan, self.reuse_status, self.rpi, self.zeros, self.zeros, self.table, n,
+                             backend=backend)
             verify(h, Stage.TAIL, self.reuse_plan, self.reuse_status, self.table, s, fingerprint=self.seal,
                    backend=backend)
         write(h, Stage.HEAD, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s, checks=head_checks,
@@ -365,8 +375,8 @@ def account(sc: Scenario, fl: Floors) -> tuple[int, int, int, float]:
         stream += (entries + new) * sc.halves * FP_ROW_BYTES
     elif sc.fp == "partial":
         random += (entries + new) * sc.halves  # one 16-byte read per row
-    elif sc.fp == "default":  # 16 bytes of one layer per verified/written row; the seal of the new rows and the slice
-        random += (entries + new + sc.sweep_slice) * sc.halves + 2 * sc.sweep_slice  # + the slice's two records
+    elif sc.fp == "default":  # 16 bytes of one layer per verified (1/share) / written row; the seal of the new rows
+        random += (entries // sc.share + new + sc.sweep_slice) * sc.halves + 2 * sc.sweep_slice  # + slice records
         stream += (new + sc.sweep_slice) * sc.halves * POLICY_LAYERS * FP_ROW_BYTES
     rate = fl.gather64_per_s if sc.halves == 2 else fl.gather32_per_s
     floor = stream / (fl.read_gbs * 1e3) + random / rate * 1e6
@@ -472,7 +482,10 @@ def breakdown(samples: int = 20) -> dict[str, dict[str, float]]:
     for sc in (Scenario("decode bs1 pre512 K", 1, 512, 1), Scenario("decode bs256 pre4096 K", 256, 4096, 1),
                Scenario("extend bs1 ext16384 K", 1, 0, 16384),
                Scenario("fp all decode bs256 pre4096 K", 256, 4096, 1, fp="all"),
-               Scenario("fp default decode bs256 pre4096 K", 256, 4096, 1, fp="default")):
+               Scenario("fp default decode bs256 pre4096 K", 256, 4096, 1, fp="default"),
+               Scenario("fp default share 4 decode bs256 pre4096 K", 256, 4096, 1, fp="default", share=4),
+               Scenario("fp default + sweep slice decode bs256 pre4096 K", 256, 4096, 1, fp="default",
+                        sweep_slice=DEFAULT_SWEEP_SLICE)):
         st = State(sc)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):

@@ -209,6 +209,44 @@ def test_forward_property(seed: int) -> None:
     _check_forward(_random_forward(rng), rng.randint(0, 2))
 
 
+def _check_reuse_fold(case: dict[str, Any], rng: random.Random) -> None:
+    """plan_forward with reuse=(...) writes the main plan unchanged and, in its reuse buffers, exactly the separate
+    plan_forward of (reuse_lens, no new tokens, window 0, no expected values)."""
+    kw = {k: case[k] for k in ("window", "padding_row", "expect_prefix", "expect_new") if k in case}
+    bs, cap = len(case["rpi"]), len(case["rpi"]) + rng.randint(0, 2)
+    reuse_lens = [rng.choice([0, 0, -1, BIG, rng.randint(0, 9)]) for _ in range(bs)]
+    want_main = run_forward("torch", cap, case["rpi"], case["pre"], case["ext"], case["table"], case["num_tokens"],
+                            **kw)
+    want_reuse = run_forward("torch", cap, case["rpi"], reuse_lens, [0] * bs, case["table"], case["num_tokens"],
+                             padding_row=kw.get("padding_row", -1))
+    for backend in BACKENDS:
+        rp = torch.full((cap, NUM_PLAN_COLS), 777, dtype=torch.int64)
+        rs = torch.full((NUM_PLAN_STATUS_COLS,), 555, dtype=torch.int64)
+        got_main = run_forward(backend, cap, case["rpi"], case["pre"], case["ext"], case["table"],
+                               case["num_tokens"], reuse=(rp, rs, i64(reuse_lens)), **kw)
+        n = int(rs[PlanStatusCol.NUM_SEGMENTS])
+        assert got_main == want_main, backend
+        assert (rp[:n].tolist(), rs.tolist()) == want_reuse, backend
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32))
+def test_forward_reuse_fold_property(seed: int) -> None:
+    rng = random.Random(seed)
+    _check_reuse_fold(_random_forward(rng), rng)
+
+
+def test_forward_reuse_bad_args(no_native: None) -> None:
+    a = _forward_args()
+    rp, rs = torch.zeros_like(a["plan"]), torch.zeros_like(a["status"])
+    for reuse, match in [((rp, rs), "tuple"), ((a["plan"], rs, a["prefix_lens"]), "other buffers"),
+                         ((rp, a["status"], a["prefix_lens"]), "other buffers"),
+                         ((rp[:1], rs, a["prefix_lens"]), "rows"), ((rp, rs, a["prefix_lens"][:1]), "reuse_lens"),
+                         ((rp, rs[:2], a["prefix_lens"]), "reuse_status")]:
+        with pytest.raises(CanaryInputError, match=match):
+            plan_forward(**a, reuse=reuse)
+
+
 def _random_sweep(rng: random.Random) -> tuple[int, list[int], list[int], list[int], list[int], list[int] | None]:
     n_slots, n = rng.randint(0, 30), rng.randint(0, 12)
 
@@ -343,12 +381,21 @@ def test_native_entry_validates_again() -> None:
     a = _forward_args()
     e = torch.empty(0, dtype=torch.int64)
     call = [a["plan"], a["status"], a["req_pool_indices"], a["prefix_lens"], a["extend_lens"], a["req_to_token"],
-            e, 0, e, 0, 2, 0, -1, 1]
+            e, 0, e, 0, 2, 0, -1, 1, e, e, e, 0]
     m.plan_forward(*call)
+    reuse = list(call)
+    reuse[14:18] = [torch.zeros_like(a["plan"]), torch.zeros_like(a["status"]), a["prefix_lens"].clone(), 1]
+    m.plan_forward(*reuse)
     for k, bad in [(0, torch.zeros(1, NUM_PLAN_COLS, dtype=torch.int64)), (1, torch.zeros(3, dtype=torch.int64)),
                    (3, i64([1])), (4, a["extend_lens"].to(torch.int32)), (5, torch.zeros(2, 5)),
                    (6, i64([1])), (7, 1), (10, -1), (11, -1), (12, -3), (13, 0), (13, 1 << 40)]:
         bad_call = list(call)
+        bad_call[k] = bad
+        with pytest.raises((ValueError, TypeError)):
+            m.plan_forward(*bad_call)
+    for k, bad in [(14, torch.zeros(1, NUM_PLAN_COLS, dtype=torch.int64)), (15, torch.zeros(3, dtype=torch.int64)),
+                   (16, i64([1])), (16, a["prefix_lens"].to(torch.int32))]:
+        bad_call = list(reuse)
         bad_call[k] = bad
         with pytest.raises((ValueError, TypeError)):
             m.plan_forward(*bad_call)

@@ -185,7 +185,8 @@ def oracle_verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: to
                         if rec[0] != exp_tok:
                             reasons |= FailReason.VERIFY_TOKEN
                 efp = 0
-                if fp is not None:
+                share = fp.share if fp is not None and stage == Stage.TAIL else 1  # sweeps check every entry
+                if fp is not None and (p + seg[PlanCol.PREFIX_LEN]) % share == 0:
                     efp = fp_int(fp.sources, h, s, p, fp.mode, fp.layer_stride)
                     if rec[3] != efp:
                         reasons |= FailReason.VERIFY_FINGERPRINT
@@ -260,7 +261,7 @@ def make_scenario(rng: random.Random, *, sweep: bool | None = None) -> Scenario:
     fp = None
     if stage != Stage.HEAD and rng.random() < 0.6:
         fp = Fingerprint(make_sources(rng, halves, S), rng.choice([FingerprintMode.PARTIAL, FingerprintMode.ALL]),
-                         rng.choice([1, 1, 2, 3]))
+                         rng.choice([1, 1, 2, 3]), rng.choice([1, 1, 2, 4]))
 
     def resolve(t: int) -> int | None:
         if not 0 <= t < space:
@@ -707,7 +708,7 @@ def test_native_entry_validates_again() -> None:
     g = sc.group
     call: list[Any] = [g.records, e if g.swa_map is None else g.swa_map, int(g.swa_map is not None),
                        g.reserved_slots, 2, 3, sc.plan, sc.status, sc.table, sink.rows, sink.count, sink.counters,
-                       sink.step, e, e, 0, 0, e, 0, 1, 1]
+                       sink.step, e, e, 0, 0, e, 0, 1, 1, 1]
     m.verify(*call)
     bads: list[tuple[int, Any]] = [
         (0, g.records.view(g.num_slots, -1)), (0, torch.zeros(3, 3, 4, dtype=torch.int64)),
@@ -715,7 +716,7 @@ def test_native_entry_validates_again() -> None:
         (3, -1), (3, g.num_slots + 1), (4, NUM_LAUNCH_TAGS), (4, -1), (6, sc.plan[:, :3].contiguous()),
         (7, e), (8, sc.table.to(torch.float32)), (9, sink.rows[:, :4].contiguous()), (10, e),
         (11, sink.counters[:3].contiguous()), (12, e), (15, 1), (18, 7), (18, int(FingerprintMode.ALL)),
-        (20, 0), (20, -2),
+        (20, 0), (20, -2), (21, 0), (21, 3), (21, -4),
     ]
     if g.halves == 2:
         bads.append((5, 99))
@@ -751,3 +752,45 @@ def test_fingerprint_zero_past_token_limit() -> None:
     assert len(past) == 2 and all(r[VC.EXPECTED_FP] == 0 and r[VC.REASONS] & FailReason.VERIFY_FINGERPRINT
                                   for r in past)
     assert all(r[VC.EXPECTED_FP] != 0 for r in want.rows if r[VC.POSITION] < TOKEN_LIMIT)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("share", [1, 2, 4])
+def test_fingerprint_share_checks_each_read_slot_once_in_share_forwards(backend: str, share: int) -> None:
+    """A decoding request (prefix + 1 per forward) whose every stored fingerprint is wrong: under share S each TAIL
+    verify reports exactly the positions p with (p + prefix) % S == 0, so S consecutive forwards report every read
+    slot once; a SWEEP verify ignores the share."""
+    n = 11
+    kv = torch.randint(0, 256, (n + 1, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    src = FingerprintSources([[SourceSpec(kv)]], n + 1)
+    rec = torch.zeros(n + 1, 1, 4, dtype=torch.int64)
+    hv = H.CHAIN_H0
+    for p in range(n):
+        rec[p + 1, 0] = torch.tensor([p + 7, p, H.to_i64(hv), fp_int(src, 0, p + 1, p, FingerprintMode.PARTIAL, 1) ^ 1])
+        hv = H.chain_step_int(hv, p + 7, p)
+    table = torch.arange(1, n + 1).view(1, n)
+    fp = Fingerprint(src, FingerprintMode.PARTIAL, share=share)
+    plan = torch.zeros(1, NUM_PLAN_COLS, dtype=torch.int64)
+    status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64)
+    seen: Counter[int] = Counter()
+    first = n - share
+    for pre in range(first, n):
+        plan_forward(plan, status, torch.tensor([0]), torch.tensor([pre]), torch.tensor([0]), table, 0)
+        sink = Sink.allocate(64)
+        verify(GroupView(rec), Stage.TAIL, plan, status, table, sink, fingerprint=fp, backend=backend)
+        rows = sink.rows[:int(sink.count)].tolist()
+        assert all(r[VC.REASONS] == FailReason.VERIFY_FINGERPRINT for r in rows)
+        got = sorted(r[VC.POSITION] for r in rows)
+        assert got == [p for p in range(pre) if (p + pre) % share == 0]
+        seen.update(got)
+    assert all(seen[p] == 1 for p in range(first)), seen
+    sink = Sink.allocate(64)
+    verify(GroupView(rec), Stage.SWEEP, plan, status, table, sink, fingerprint=fp, backend=backend)
+    assert int(sink.count) == n - 1  # the last plan's whole prefix: the share does not apply to sweeps
+
+
+def test_fingerprint_share_must_be_a_power_of_two() -> None:
+    src = make_sources(random.Random(5), 1, 4)
+    for bad in (0, 3, -2, True, 2.0):
+        with pytest.raises(CanaryInputError, match="share"):
+            Fingerprint(src, FingerprintMode.PARTIAL, share=bad)  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ struct FpView {
   int64_t n_sources;
   int32_t mode;
   int64_t layer_stride;
+  int64_t share;  // a power of two >= 1: the share of entries whose fingerprint is checked (verify_fp_selected)
 };
 
 // Everything one verify call reads (records [num_slots, halves, RECORD_NUM_FIELDS]) and where it reports.
@@ -50,6 +51,15 @@ KVC_HD bool record_link(const CanaryRecord& rec, uint64_t* out) {
 
 KVC_HD bool verify_wants_fp(const VerifyParams& P) {
   return P.fp.mode != static_cast<int32_t>(FingerprintMode::NONE);
+}
+
+// Whether entry (segment, position)'s fingerprint is checked under the share S = P.fp.share (a power of two):
+// (position + PREFIX_LEN) % S == 0. A decoding request's PREFIX_LEN grows by one per forward, so each of its read
+// slots comes round once in any S consecutive forwards of it. Masking with S - 1 equals the u64 remainder, and is
+// the same on int64 in every backend (two's complement), whatever the signs.
+KVC_HD bool verify_fp_selected(const VerifyParams& P, const int64_t* seg, int64_t position) {
+  const uint64_t key = static_cast<uint64_t>(position) + static_cast<uint64_t>(seg[col(PlanCol::PREFIX_LEN)]);
+  return (key & static_cast<uint64_t>(P.fp.share - 1)) == 0;
 }
 
 // A segment verify can read without going out of bounds: ROW in the table, 0 <= IDX_BEGIN <= IDX_END <= cols.
@@ -116,9 +126,10 @@ KVC_HD void verify_emit_input_error(const VerifyParams& P, const int64_t* seg, c
   }
 }
 
-// Checks of one kOk entry for half h; `fp` is the fresh fingerprint of (slot, position, h) when verify_wants_fp
-// (computed by the caller: serially on the CPU, warp-cooperatively on the GPU), ignored otherwise and replaced by 0
-// when the position is outside [0, TOKEN_LIMIT) (the caller need not compute it there). Emits a row when
+// Checks of one kOk entry for half h; `fp` is the fresh fingerprint of (slot, position, h) when verify_wants_fp and
+// verify_fp_selected (computed by the caller: serially on the CPU, per lane or block-cooperatively on the GPU),
+// ignored otherwise (no fingerprint check, EXPECTED_FP = 0) and replaced by 0 when the position is outside
+// [0, TOKEN_LIMIT) (the caller need not compute it there). Emits a row when
 // a check fails; returns the reasons. The caller counts ENTRIES_CHECKED.
 //
 // Chain-type reasons: the link check fails with VERIFY_CHAIN (a predecessor without a link expects 0 and always
@@ -170,7 +181,7 @@ KVC_HD int64_t verify_check_record(const VerifyParams& P, const int64_t* seg, in
     }
   }
 
-  const bool want_fp = verify_wants_fp(P);
+  const bool want_fp = verify_wants_fp(P) && verify_fp_selected(P, seg, e.position);
   if (!chain_value_ok(e.position)) fp = 0;  // as the fingerprint op: a position outside [0, TOKEN_LIMIT) hashes to 0
   if (want_fp && static_cast<uint64_t>(r_fp) != fp) reasons |= bits(FailReason::VERIFY_FINGERPRINT);
 

@@ -25,7 +25,7 @@ inline VerifyArgs make_verify_args(DLDeviceType device, TensorView records, Tens
                                    TensorView status, TensorView table, TensorView ring_rows, TensorView ring_count,
                                    TensorView counters, TensorView step, TensorView pool_tokens, TensorView pool_lens,
                                    int64_t has_pool, int64_t token_offset, TensorView fp_table, int64_t fp_mode,
-                                   int64_t fp_layer_stride, int64_t table_page) {
+                                   int64_t fp_layer_stride, int64_t table_page, int64_t fp_share) {
   check_i64_tensor(records, records, 3, "records", "records");
   check_device_type(records, device, "records");
   const int64_t num_slots = records.size(0), halves = records.size(1);
@@ -60,6 +60,8 @@ inline VerifyArgs make_verify_args(DLDeviceType device, TensorView records, Tens
     TVM_FFI_CHECK(fp_table.size(1) >= 1, ValueError) << "fp_table needs at least one source";
     TVM_FFI_CHECK(fp_layer_stride >= 1, ValueError) << "fp_layer_stride must be >= 1, got " << fp_layer_stride;
   }
+  TVM_FFI_CHECK(fp_share >= 1 && (fp_share & (fp_share - 1)) == 0, ValueError)
+      << "fp_share must be a power of two >= 1, got " << fp_share;
 
   VerifyArgs a{};
   VerifyParams& P = a.P;
@@ -79,8 +81,8 @@ inline VerifyArgs make_verify_args(DLDeviceType device, TensorView records, Tens
                                          pool_tokens.size(1), token_offset}
                          : TokenPoolView{nullptr, nullptr, 0, 0, 0};
   P.fp = want_fp ? FpView{static_cast<const int64_t*>(fp_table.data_ptr()), fp_table.size(1),
-                          static_cast<int32_t>(fp_mode), fp_layer_stride}
-                 : FpView{nullptr, 0, static_cast<int32_t>(FingerprintMode::NONE), 1};
+                          static_cast<int32_t>(fp_mode), fp_layer_stride, fp_share}
+                 : FpView{nullptr, 0, static_cast<int32_t>(FingerprintMode::NONE), 1, 1};
   a.plan = static_cast<const int64_t*>(plan.data_ptr());
   a.plan_cap = plan.size(0);
   a.status = static_cast<const int64_t*>(status.data_ptr());

@@ -140,6 +140,28 @@ __device__ __forceinline__ uint64_t fingerprint_warp(const int64_t* table, int64
   return fp_finalize(warp_sum_u64(acc), position);
 }
 
+// Wrapped word sums of the fingerprints of `items` (slot, position) pairs, every half, by every warp of the block.
+// The rows (item, half, source) are dealt to the warps round-robin, so a few items with many layers (a decode seal,
+// a sweep slice) keep every warp loading instead of one warp walking an item's layers one after another. A row's
+// sum is added into s_acc[item * MAX_HALVES + half] with a shared-memory atomic: the wrapped u64 sum is order-free,
+// so s_acc ends equal to fingerprint_serial's acc bit for bit (finalize with fp_finalize). s_slot[i] < 0: item i
+// has no fingerprint. The caller zeroes s_acc and fills s_slot / s_pos before a barrier, and reads s_acc after
+// another; every thread of the block calls it.
+__device__ __forceinline__ void block_fp_sums(const int64_t* table, int64_t n_sources, int64_t halves, int64_t items,
+                                              const int64_t* s_slot, const int64_t* s_pos, int32_t mode,
+                                              int64_t layer_stride, unsigned long long* s_acc) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  const int64_t per_item = halves * n_sources;
+  for (int64_t r = warp; r < items * per_item; r += warps) {
+    const int64_t item = r / per_item, h = (r % per_item) / n_sources, j = r % n_sources;
+    const int64_t slot = s_slot[item], pos = s_pos[item];
+    if (slot < 0 || !fp_source_selected(j, pos, layer_stride)) continue;  // warp-uniform (shared values)
+    const FpSource s = fp_source_at(table, n_sources, h, j);
+    const uint64_t acc = warp_sum_u64(fp_lane_terms(s, j, slot, fp_read_words(s, mode), lane));
+    if (lane == 0) atomicAdd(&s_acc[item * MAX_HALVES + h], static_cast<unsigned long long>(acc));
+  }
+}
+
 // One thread's fingerprint with 16-byte loads (PARTIAL mode: one chunk per source).
 __device__ __forceinline__ uint64_t fingerprint_thread(const int64_t* table, int64_t n_sources, int64_t half,
                                                        int64_t slot, int64_t position, int32_t mode,
@@ -156,28 +178,6 @@ __device__ __forceinline__ uint64_t fingerprint_thread(const int64_t* table, int
     }
   }
   return fp_finalize(acc, position);
-}
-
-// Fingerprints of up to 32 (slot, position) pairs, one per lane (`want` false: lane has none): the warp computes
-// each wanted one cooperatively (ALL) or each lane its own (PARTIAL). Every lane of the warp must call it.
-__device__ __forceinline__ uint64_t fingerprint_lanes(const int64_t* table, int64_t n_sources, int64_t half,
-                                                      bool want, int64_t slot, int64_t position, int32_t mode,
-                                                      int64_t layer_stride) {
-  if (mode == static_cast<int32_t>(FingerprintMode::PARTIAL)) {
-    return want ? fingerprint_thread(table, n_sources, half, slot, position, mode, layer_stride) : 0;
-  }
-  const int lane = threadIdx.x % kWarp;
-  uint32_t pending = __ballot_sync(0xffffffffu, want);
-  uint64_t mine = 0;
-  while (pending != 0) {
-    const int k = __ffs(pending) - 1;
-    pending &= pending - 1;
-    const int64_t s = __shfl_sync(0xffffffffu, slot, k);
-    const int64_t p = __shfl_sync(0xffffffffu, position, k);
-    const uint64_t fp = fingerprint_warp(table, n_sources, half, s, p, mode, layer_stride);
-    if (lane == k) mine = fp;
-  }
-  return mine;
 }
 
 // 32-byte record as two 16-byte loads (records are 16-byte aligned when `vec`, else 8-byte loads).

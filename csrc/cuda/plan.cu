@@ -17,7 +17,7 @@ struct PlanForwardArgs {
   int64_t* status;
   const int64_t* req_pool_indices;
   const int64_t* prefix_lens;
-  const int64_t* extend_lens;
+  const int64_t* extend_lens;    // nullptr: no new tokens (the reuse plan)
   const int64_t* expect_prefix;  // nullptr: absent
   const int64_t* expect_new;     // nullptr: absent
   SlotTable table;
@@ -30,15 +30,21 @@ struct PlanForwardArgs {
 // Scan lanes: running token offset, segments, verify entries, write entries, input errors, overflow.
 enum : int { kTok = 0, kSeg, kVer, kWri, kErr, kOvf, kLanes };
 
-__global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwardArgs a) {
+// Block b plans args[b]: block 0 the forward, block 1 (when launched) the reuse plan, concurrently in one launch.
+struct PlanForwardLaunch {
+  PlanForwardArgs args[2];
+};
+
+__global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwardLaunch launch) {
   __shared__ BlockSumScratch<kPlanThreads, kLanes> scratch;
+  const PlanForwardArgs& a = launch.args[blockIdx.x];
   int64_t carry[kLanes] = {0, 0, 0, 0, 0, 0};
   for (int64_t base = 0; base < a.bs; base += kPlanThreads) {
     const int64_t i = base + threadIdx.x;
     const bool in = i < a.bs;
     const int64_t row = in ? a.req_pool_indices[i] : 0;
     const int64_t pre = in ? a.prefix_lens[i] : 0;
-    const int64_t ext = in ? a.extend_lens[i] : 0;
+    const int64_t ext = in && a.extend_lens != nullptr ? a.extend_lens[i] : 0;
     // What a segment's row fill reads, prefetched into L1 before the two block scans (no effect on results; only
     // addresses inside their tensors): the fill then waits on L1, not on another global round trip.
     if (in) {
@@ -172,7 +178,8 @@ void launch_sweep_plan(const TensorView& plan, const TensorView& status, const C
 void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indices, TensorView prefix_lens,
                   TensorView extend_lens, TensorView req_to_token, TensorView expect_prefix, int64_t has_expect_prefix,
                   TensorView expect_new, int64_t has_expect_new, int64_t num_tokens, int64_t window,
-                  int64_t padding_row, int64_t table_page) {
+                  int64_t padding_row, int64_t table_page, TensorView reuse_plan, TensorView reuse_status,
+                  TensorView reuse_lens, int64_t has_reuse) {
   check_cuda(plan, "plan");
   check_i64_tensor(plan, plan, 2, "plan", "plan");
   check_dim(plan, 1, kNumPlanCols, "plan");
@@ -200,6 +207,16 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
     check_i64_tensor(expect_new, plan, 1, "expect_new", "plan");
     check_dim(expect_new, 0, bs, "expect_new");
   }
+  if (has_reuse) {
+    check_i64_tensor(reuse_plan, plan, 2, "reuse_plan", "plan");
+    check_dim(reuse_plan, 1, kNumPlanCols, "reuse_plan");
+    check_i64_tensor(reuse_status, plan, 1, "reuse_status", "plan");
+    check_dim(reuse_status, 0, kNumPlanStatusCols, "reuse_status");
+    check_i64_tensor(reuse_lens, plan, 1, "reuse_lens", "plan");
+    check_dim(reuse_lens, 0, bs, "reuse_lens");
+    TVM_FFI_CHECK(reuse_plan.size(0) >= bs, ValueError)
+        << "reuse_plan capacity " << reuse_plan.size(0) << " < batch size " << bs;
+  }
   PlanForwardArgs a{static_cast<int64_t*>(plan.data_ptr()),
                     static_cast<int64_t*>(status.data_ptr()),
                     static_cast<const int64_t*>(req_pool_indices.data_ptr()),
@@ -214,7 +231,18 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
                     padding_row};
   const DLDevice dev = plan.device();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
-  plan_forward_kernel<<<1, kPlanThreads, 0, stream_of(dev)>>>(a);
+  PlanForwardLaunch launch{{a, a}};
+  if (has_reuse) {  // the reuse plan: prefix_lens = reuse_lens, no new tokens, window 0, no expected values
+    PlanForwardArgs& r = launch.args[1];
+    r.plan = static_cast<int64_t*>(reuse_plan.data_ptr());
+    r.status = static_cast<int64_t*>(reuse_status.data_ptr());
+    r.prefix_lens = static_cast<const int64_t*>(reuse_lens.data_ptr());
+    r.extend_lens = nullptr;
+    r.expect_prefix = nullptr;
+    r.expect_new = nullptr;
+    r.window = 0;
+  }
+  plan_forward_kernel<<<has_reuse ? 2 : 1, kPlanThreads, 0, stream_of(dev)>>>(launch);
   check_launch();
 }
 

@@ -1,6 +1,7 @@
 // CUDA verify (docs/ops-contract.md 4): both halves in one launch, entries derived from the plan segments on the
 // device, one 16-byte-vector gather of a slot's K and V records per entry, the predecessor's link passed from the
-// neighbouring lane, fingerprints warp-cooperative; a persistent grid sized from the SM count.
+// neighbouring lane; PARTIAL fingerprints per lane; ALL fingerprints by the whole block (rows dealt to its warps),
+// with few entries spread one or a few per block over the grid; a persistent grid sized from the SM count.
 #include <tvm/ffi/function.h>
 
 #include "core/verify_args.h"
@@ -83,15 +84,27 @@ struct OwnSeg {
   }
 };
 
+// Entries a block takes per step in ALL mode: ceil(total / grid), 1..kVerifyThreads.
+__device__ __forceinline__ int64_t verify_per_block(int64_t total) {
+  const int64_t n = (total + gridDim.x - 1) / gridDim.x;
+  return n < 1 ? 1 : (n > kVerifyThreads ? kVerifyThreads : n);
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // kHalves == P.halves: a compile-time half count keeps the records of both halves in registers (loop-unrolled), so
-// an entry's record and predecessor gathers are all in flight before the first use.
-template <int kHalves>
+// an entry's record and predecessor gathers are all in flight before the first use. kBlockFp == (P.fp.mode == ALL):
+// the block-cooperative fingerprint path, compiled only where it runs (the register-capped per-entry code of the
+// other modes keeps its registers).
+template <int kHalves, bool kBlockFp>
 __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch L) {
   __shared__ int64_t s_off[kSmemSegments];  // ENTRY_OFFSET of every segment when they fit
   __shared__ int64_t s_reduce[3 * kVerifyThreads / kWarp];
   __shared__ int64_t s_total;
+  constexpr int kFpItems = kBlockFp ? kVerifyThreads : 1;
+  __shared__ int64_t s_fp_slot[kFpItems];  // ALL mode: the block's entries to fingerprint (-1 = none)
+  __shared__ int64_t s_fp_pos[kFpItems];
+  __shared__ unsigned long long s_fp_acc[kFpItems * MAX_HALVES];
   const VerifyParams& P = L.P;
   const int64_t nseg = plan_num_segments(L.status, L.plan_cap);
   const OwnSeg own(L);
@@ -110,25 +123,35 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
     }
   }
   int64_t total = 0;
+  const bool want_fp = verify_wants_fp(P);
+  // ALL mode reads whole rows of every selected layer per entry: latency-bound unless many warps load at once. So a
+  // block takes only per_block = ceil(total / grid) entries per step (at most one per thread) and its warps share
+  // their rows: 512 sweep entries of 4 layers become 512 blocks of 4 concurrent row loads, not 2 blocks whose warps
+  // each walk 32 entries x 4 layers. Grid-uniform (total and grid are), so every block agrees on the entry mapping.
+  constexpr bool block_fp = kBlockFp;
+  int64_t per_block = kVerifyThreads;
   if (nseg <= kVerifyThreads) {  // block-uniform: every row is some thread's own row
     if (static_cast<int64_t>(threadIdx.x) < nseg) s_off[threadIdx.x] = own.v[col(PlanCol::ENTRY_OFFSET)];
     if (static_cast<int64_t>(threadIdx.x) == nseg - 1) s_total = plan_entries_total(own.v, nseg, P.table.cols);
     __syncthreads();
     if (nseg > 0) total = s_total;
+    if (block_fp) per_block = verify_per_block(total);
   } else {
     total = plan_entries_total(L.plan + (nseg - 1) * kNumPlanCols, nseg, P.table.cols);
-    if (nseg <= kSmemSegments && static_cast<int64_t>(blockIdx.x) * kVerifyThreads < total) {
+    if (block_fp) per_block = verify_per_block(total);
+    if (nseg <= kSmemSegments && static_cast<int64_t>(blockIdx.x) * per_block < total) {
       for (int64_t s = threadIdx.x; s < nseg; s += kVerifyThreads) {
         s_off[s] = L.plan[s * kNumPlanCols + col(PlanCol::ENTRY_OFFSET)];
       }
       __syncthreads();
     }
   }
-  const bool want_fp = verify_wants_fp(P);
   constexpr int64_t halves = kHalves;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * per_block;
+  const int64_t mine = static_cast<int64_t>(threadIdx.x) < per_block ? static_cast<int64_t>(threadIdx.x) : -1;
 
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kVerifyThreads; base < total; base += gthreads) {
-    const EntryRef cur = entry_ref(L, s_off, nseg, total, base + threadIdx.x);
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * per_block; base < total; base += step) {
+    const EntryRef cur = entry_ref(L, s_off, nseg, total, mine >= 0 ? base + mine : total);
     const int64_t s = cur.s, idx = cur.idx;
     const int64_t* seg = cur.seg;
     const bool valid = cur.valid;
@@ -157,11 +180,15 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
       if (ok) rec[h] = load_record(P.records, ent.slot.slot * halves + h, L.vec);
       if (own_pred) pred_rec[h] = load_record(P.records, ent.pred_slot * halves + h, L.vec);
     }
+    // Whether this entry's fingerprint is checked (the share; a position inside [0, TOKEN_LIMIT)). (An L1 prefetch
+    // of the PARTIAL bytes here, beside the record gathers, doubled this register-capped kernel's spills; the verify
+    // runs at the random-gather rate, so it was left out.)
+    const bool fp_here = ok && want_fp && chain_value_ok(ent.position) && verify_fp_selected(P, seg, ent.position);
     // While those gathers are in flight, pull this thread's next entry's records into L2 (no registers held): its
     // gather in the next iteration then waits on L2, not DRAM. Only a slot that resolves is prefetched (in bounds).
     // Only while the entry search runs on shared memory (a search over the plan in global memory costs more).
     if (nseg <= kSmemSegments) {
-      const EntryRef nxt = entry_ref(L, s_off, nseg, total, base + gthreads + threadIdx.x);
+      const EntryRef nxt = entry_ref(L, s_off, nseg, total, mine >= 0 ? base + step + mine : total);
       if (nxt.valid) {
         const Resolved r = resolve_slot(P.group, P.table.at(nxt.seg[col(PlanCol::ROW)], nxt.idx));
         if (r.status == SlotStatus::kOk) {
@@ -187,11 +214,29 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
 #pragma unroll
       for (int64_t h = 0; h < halves; ++h) pred_ok[h] = record_link(pred_rec[h], &pred_link[h]);
     }
+    uint64_t fpv[MAX_HALVES] = {0, 0};
+    if constexpr (block_fp) {
+      __syncthreads();  // the previous step's readers of s_fp_* are done
+      if (mine >= 0) {
+        s_fp_slot[mine] = fp_here ? ent.slot.slot : -1;
+        s_fp_pos[mine] = ent.position;
+#pragma unroll
+        for (int h = 0; h < MAX_HALVES; ++h) s_fp_acc[mine * MAX_HALVES + h] = 0;
+      }
+      __syncthreads();
+      block_fp_sums(P.fp.table, P.fp.n_sources, halves, per_block, s_fp_slot, s_fp_pos, P.fp.mode,
+                    P.fp.layer_stride, s_fp_acc);
+      __syncthreads();
+      if (fp_here) {
+#pragma unroll
+        for (int64_t h = 0; h < halves; ++h) fpv[h] = fp_finalize(s_fp_acc[mine * MAX_HALVES + h], ent.position);
+      }
+    }
 #pragma unroll 1  // one copy of the check code (a register-tight kernel); the records are all in flight by now
     for (int64_t h = 0; h < halves; ++h) {
-      const uint64_t fp = want_fp ? fingerprint_lanes(P.fp.table, P.fp.n_sources, h, ok, ent.slot.slot,
-                                                      ent.position, P.fp.mode, P.fp.layer_stride)
-                                  : 0;
+      const uint64_t fp = fp_here && !block_fp ? fingerprint_thread(P.fp.table, P.fp.n_sources, h, ent.slot.slot,
+                                                                    ent.position, P.fp.mode, P.fp.layer_stride)
+                                               : fpv[h];
       if (ok) verify_check_record(P, seg, idx, ent, h, rec[h], pred_ok[h], pred_link[h], fp);
     }
   }
@@ -207,7 +252,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
   }
 }
 
-std::array<std::atomic<int>, kMaxDevices> g_verify_occupancy[MAX_HALVES]{};
+std::array<std::atomic<int>, kMaxDevices> g_verify_occupancy[MAX_HALVES][2]{};
 
 }  // namespace
 
@@ -215,10 +260,11 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
             int64_t tag_v, TensorView plan, TensorView status, TensorView table, TensorView ring_rows,
             TensorView ring_count, TensorView counters, TensorView step, TensorView pool_tokens, TensorView pool_lens,
             int64_t has_pool, int64_t token_offset, TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride,
-            int64_t table_page) {
+            int64_t table_page, int64_t fp_share) {
   const VerifyArgs a = make_verify_args(kDLCUDA, records, swa_map, has_swa_map, reserved_slots, tag_k, tag_v, plan,
                                         status, table, ring_rows, ring_count, counters, step, pool_tokens, pool_lens,
-                                        has_pool, token_offset, fp_table, fp_mode, fp_layer_stride, table_page);
+                                        has_pool, token_offset, fp_table, fp_mode, fp_layer_stride, table_page,
+                                        fp_share);
   const int64_t halves = a.P.halves;
   VerifyLaunch L{};
   L.P = a.P;
@@ -230,13 +276,18 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
   const DLDevice dev = records.device();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   // Persistent grid sized from the SM count, but no larger than the most entries the plan's shape allows (each
-  // valid segment holds at most table.cols entries): small forwards launch few blocks.
-  auto* kernel = halves == 2 ? verify_kernel<2> : verify_kernel<1>;
+  // valid segment holds at most table.cols entries): small forwards launch few blocks. ALL mode may give each block
+  // a single entry (verify_per_block), so its bound is one block per entry.
+  const bool all = a.want_fp && a.P.fp.mode == static_cast<int32_t>(FingerprintMode::ALL);
+  auto* kernel = halves == 2 ? (all ? verify_kernel<2, true> : verify_kernel<2, false>)
+                             : (all ? verify_kernel<1, true> : verify_kernel<1, false>);
   const int64_t full = static_cast<int64_t>(sm_count(dev.device_id)) *
-                       resident_blocks(kernel, kVerifyThreads, dev.device_id, g_verify_occupancy[halves - 1]);
+                       resident_blocks(kernel, kVerifyThreads, dev.device_id,
+                                       g_verify_occupancy[halves - 1][all ? 1 : 0]);
   const int64_t cols = a.P.table.cols;
   const int64_t most = cols > 0 && plan.size(0) > (int64_t{1} << 40) / cols ? (int64_t{1} << 40) : plan.size(0) * cols;
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(full, ceil_div(most, kVerifyThreads))));
+  const int64_t per_block_max = all ? 1 : kVerifyThreads;
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(full, ceil_div(most, per_block_max))));
   kernel<<<grid, kVerifyThreads, 0, stream_of(dev)>>>(L);
   check_launch();
 }

@@ -1,8 +1,10 @@
 // CUDA write (docs/ops-contract.md 5): the chain of each segment is an exclusive affine scan (core/write.cuh
 // WriteCarry) over flat token tiles. A tile takes the carry of its first segment's earlier tokens by reducing them
 // itself (no inter-block communication, no workspace: graph-safe), scans its tokens block-wide with segment heads,
-// then stores both halves. With fingerprints, tiles are small (many blocks) and the block's warps fingerprint the
-// tile's rows cooperatively with 16-byte loads.
+// then stores both halves. PARTIAL fingerprints (a few bytes per token) are hashed by the token's own thread, also
+// on the one-block decode path. ALL fingerprints (the seal: every byte of every layer) use small tiles, down to one
+// token per block, so that the rows spread over every SM, and the block's warps share the tile's (token, half,
+// layer) rows (block_fp_sums).
 #include <tvm/ffi/function.h>
 
 #include "core/write.cuh"
@@ -233,7 +235,7 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
   __shared__ int64_t s_mark[kWriteThreads * kItems];     // segment whose first in-tile entry is here, -1 = none
   __shared__ int64_t s_first_j[kWriteThreads * kItems];  // that entry's index inside its segment
   __shared__ int64_t s_reduce[3 * MAX_HALVES * kWarpsPerBlock];
-  __shared__ uint64_t s_fp[kFp ? kWriteThreads : 1][MAX_HALVES];
+  __shared__ unsigned long long s_fp_acc[kFp ? kWriteThreads * MAX_HALVES : 1];
   __shared__ int64_t s_fp_slot[kFp ? kWriteThreads : 1];
   __shared__ int64_t s_fp_pos[kFp ? kWriteThreads : 1];
 
@@ -257,10 +259,12 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
 
   WriteTally tally[MAX_HALVES] = {{0, 0, 0}, {0, 0, 0}};
   // Small batches of short segments (decode): one block, each thread runs its own segment's serial loop (the CPU
-  // backend's), with no block scan. Block-uniform decision; range errors were reported above.
+  // backend's, PARTIAL fingerprints included: a few bytes per token), with no block scan. Block-uniform decision;
+  // range errors were reported above.
   bool serial = false;
-  if constexpr (kItems == 1 && !kFp) {
-    if (gridDim.x == 1 && nseg <= kWriteThreads) {
+  if constexpr (kItems == 1) {
+    if (gridDim.x == 1 && nseg <= kWriteThreads &&
+        (!kFp || a.fp_mode == static_cast<int32_t>(FingerprintMode::PARTIAL))) {
       const int64_t len = static_cast<int64_t>(threadIdx.x) < nseg ? segment_entries(a, own.v) : 0;
       serial = __syncthreads_or(len > kSerialMaxLen ? 1 : 0) == 0;
       if (serial && len > 0) write_segment_serial(a, a.plan + static_cast<int64_t>(threadIdx.x) * kNumPlanCols, len,
@@ -361,30 +365,30 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
       incl[i] = write_carry_compose(ex, it[i].row != nullptr ? write_entry_carry(it[i].e) : write_carry_identity());
     }
 
+    uint64_t fpv[MAX_HALVES] = {0, 0};  // the fingerprints of this thread's token (kFp: kItems == 1)
     if constexpr (kFp) {
-      // kItems == 1: thread t holds tile token t. Warps fingerprint the tile's written rows round-robin.
       const bool want = it[0].row != nullptr && it[0].e.kind == WriteKind::kWrite;
-      s_fp_slot[threadIdx.x] = want ? it[0].e.slot : -1;
-      s_fp_pos[threadIdx.x] = want ? it[0].e.position : 0;
-      for (int64_t h = 0; h < MAX_HALVES; ++h) s_fp[threadIdx.x][h] = 0;
-      __syncthreads();
-      const int64_t n_tile = tile_end - tile_start;
-      for (int64_t h = 0; h < a.halves; ++h) {
-        if (a.fp_mode == static_cast<int32_t>(FingerprintMode::PARTIAL)) {
-          s_fp[threadIdx.x][h] = want ? fingerprint_thread(a.fp_table, a.fp_sources, h, it[0].e.slot,
-                                                            it[0].e.position, a.fp_mode, a.fp_layer_stride)
-                                      : 0;
-        } else {
-          for (int64_t t = warp; t < n_tile; t += kWarpsPerBlock) {
-            const int64_t slot = s_fp_slot[t];
-            if (slot < 0) continue;  // warp-uniform
-            const uint64_t fp = fingerprint_warp(a.fp_table, a.fp_sources, h, slot, s_fp_pos[t], a.fp_mode,
-                                                 a.fp_layer_stride);
-            if (lane == 0) s_fp[t][h] = fp;
+      if (a.fp_mode == static_cast<int32_t>(FingerprintMode::PARTIAL)) {
+        if (want) {
+          for (int64_t h = 0; h < a.halves; ++h) {
+            fpv[h] = fingerprint_thread(a.fp_table, a.fp_sources, h, it[0].e.slot, it[0].e.position, a.fp_mode,
+                                        a.fp_layer_stride);
+          }
+        }
+      } else {  // block-uniform; s_fp_* were last read before the previous tile's closing barrier
+        s_fp_slot[threadIdx.x] = want ? it[0].e.slot : -1;
+        s_fp_pos[threadIdx.x] = want ? it[0].e.position : 0;
+        for (int h = 0; h < MAX_HALVES; ++h) s_fp_acc[threadIdx.x * MAX_HALVES + h] = 0;
+        __syncthreads();
+        block_fp_sums(a.fp_table, a.fp_sources, a.halves, tile_end - tile_start, s_fp_slot, s_fp_pos, a.fp_mode,
+                      a.fp_layer_stride, s_fp_acc);
+        __syncthreads();
+        if (want) {
+          for (int64_t h = 0; h < a.halves; ++h) {
+            fpv[h] = fp_finalize(s_fp_acc[threadIdx.x * MAX_HALVES + h], it[0].e.position);
           }
         }
       }
-      __syncthreads();
     }
 
     const int64_t* seed_row = nullptr;  // consecutive items of one segment share its seeds
@@ -405,10 +409,8 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
           if (e.j == 0) write_emit_seed_error(a, row, h);
           continue;
         }
-        uint64_t fp = 0;
-        if constexpr (kFp) fp = s_fp[threadIdx.x][h];
         const WriteTally t = write_entry_store(a, row, h, e, chain_apply(excl[i].map, seed.h),
-                                               write_prev_pos(a, row, excl[i], seed), fp);
+                                               write_prev_pos(a, row, excl[i], seed), fpv[h]);
         tally[h] = write_tally_add(tally[h], t);
         if (e.j == plan_at(row, PlanCol::WRITE_LEN) - 1) {
           write_expect_new(a, row, h, chain_apply(incl[i].map, seed.h), incl[i].last_j);
@@ -444,16 +446,23 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const cudaStream_t stream = stream_of(dev);
   // At least one block: it reports range errors and counts the run even with no tokens.
-  if (a.fp_table == nullptr && a.num_tokens <= kWriteThreads) {  // decode-sized: one item per thread, one block
-    write_kernel<1, false><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads);
+  const bool partial = a.fp_mode == static_cast<int32_t>(FingerprintMode::PARTIAL);
+  if ((a.fp_table == nullptr || partial) && a.num_tokens <= kWriteThreads) {  // decode-sized: one item per thread
+    if (a.fp_table == nullptr) {
+      write_kernel<1, false><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads);
+    } else {
+      write_kernel<1, true><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads);
+    }
   } else if (a.fp_table == nullptr) {
     const int64_t tile = kWriteThreads * kItemsNoFp;
     const int64_t grid = a.num_tokens > 0 ? ceil_div(a.num_tokens, tile) : 1;
     write_kernel<kItemsNoFp, false><<<static_cast<unsigned>(grid), kWriteThreads, 0, stream>>>(a, tile);
   } else {
-    // Small tiles so that the fingerprint reads spread over every SM (about two tiles per SM, 32..256 tokens).
+    // Small tiles so that the fingerprint reads spread over every SM: about two tiles per SM, 1..256 tokens (a
+    // decode seal of 256 tokens: one token's rows per block, all in flight at once, instead of 8 blocks whose warps
+    // walk 4 tokens x every layer one after another).
     const int64_t want = ceil_div(a.num_tokens, 2 * static_cast<int64_t>(sm_count(dev.device_id)));
-    int64_t tile = 32;
+    int64_t tile = 1;
     while (tile < want && tile < kWriteThreads) tile *= 2;
     const int64_t grid = a.num_tokens > 0 ? ceil_div(a.num_tokens, tile) : 1;
     write_kernel<1, true><<<static_cast<unsigned>(grid), kWriteThreads, 0, stream>>>(a, tile);

@@ -21,6 +21,7 @@ from kvcanary_schema import (
 )
 
 from kvcanary.errors import CanaryInputError
+from kvcanary.ops.types import is_power_of_two
 
 ENV_PREFIX = "KVCANARY_"
 
@@ -118,6 +119,13 @@ class CanaryConfig:
     fingerprint: FingerprintMode = FingerprintMode.PARTIAL
     layer_coverage: LayerCoverage = LayerCoverage.ROTATE
     layer_stride: int = DEFAULT_FP_LAYER_STRIDE  # used by LayerCoverage.SAMPLE
+    # The per-forward (TAIL) fingerprint checks a rotating share 1/fingerprint_share of the verified slots: the slot
+    # at position p when (p + prefix_len) % fingerprint_share == 0. A power of two; 1 = every slot every forward.
+    # Bound: a decoding request's read slots are each checked within fingerprint_share of its forwards (its
+    # prefix_len grows by one per forward); a chunked prefill's chunks of a multiple of it check the same residue
+    # class each time. Writes, the seal, the reuse check and sweeps are unaffected. Cost: the 16-byte partial read
+    # per verified slot and half divides by it (docs/defaults.md).
+    fingerprint_share: int = 1
     coverage: CoveragePolicy = CoveragePolicy.FULL
     # WINDOW policy: the newest ``window_links`` prefix links every forward plus a rotating stripe of
     # ``stripe_size`` older slots per request; worst-case time-to-detect of an older slot's corruption is
@@ -165,6 +173,9 @@ class CanaryConfig:
             value = getattr(self, knob)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise CanaryInputError(f"CanaryConfig.{knob} must be an int >= {low}, got {value!r}")
+        if not is_power_of_two(self.fingerprint_share):
+            raise CanaryInputError(f"CanaryConfig.fingerprint_share must be a power of two >= 1, got "
+                                   f"{self.fingerprint_share!r}")
         if self.sweep_slice > self.sweep_capacity:
             raise CanaryInputError(f"CanaryConfig.sweep_slice ({self.sweep_slice}) must be <= sweep_capacity "
                                    f"({self.sweep_capacity})")
@@ -229,8 +240,8 @@ class CanaryConfig:
         return cls(**kwargs)
 
 
-_INT_KNOBS = {"layer_stride", "stripe_size", "window_links", "sweep_interval", "sweep_slice", "sweep_capacity",
-              "ring_capacity",
+_INT_KNOBS = {"layer_stride", "fingerprint_share", "stripe_size", "window_links", "sweep_interval", "sweep_slice",
+              "sweep_capacity", "ring_capacity",
               "report_interval", "stats_interval", "log_rate_limit", "req_capacity", "token_capacity"}
 _BOOL_KNOBS = {"input_asserts", "chain_position_assert", "structural_check", "watchdog", "sweep_unlocked_only", "seal",
                "reuse_check"}

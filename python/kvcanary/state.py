@@ -146,7 +146,7 @@ class CanaryState:
                                        f"{spec.group.name} (GroupSpec.sources)")
             halves = [list(h[:1]) if cfg.layer_coverage == LayerCoverage.FIRST else list(h) for h in spec.sources]
             fp = Fingerprint(FingerprintSources(halves, spec.num_slots), cfg.fingerprint,
-                             cfg.layer_stride_for(len(halves[0])))
+                             cfg.layer_stride_for(len(halves[0])), cfg.fingerprint_share)
         seal = None
         if cfg.sealing and spec.sources is not None:
             seal = Fingerprint(FingerprintSources([list(h) for h in spec.sources], spec.num_slots),

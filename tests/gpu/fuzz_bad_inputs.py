@@ -14,6 +14,7 @@ from kvcanary.ops.verify import verify
 from kvcanary.ops.write import write
 from kvcanary_schema import NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, FingerprintMode
 
+from . import test_cuda_policy as TP
 from .helpers import ALL_CHECKS, consistent_entry_offsets, fp_to, group_to, make_batch, pool_to, run_bracket
 
 
@@ -50,9 +51,12 @@ def main() -> None:
         plan = torch.zeros(bs + 1, NUM_PLAN_COLS, dtype=torch.int64, device=dev)
         status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=dev)
         table = torch.randint(-3, 100, (5, 9), device=dev)
+        reuse = (torch.zeros(bs + 1, NUM_PLAN_COLS, dtype=torch.int64, device=dev),
+                 torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=dev),
+                 torch.randint(-2, 11, (bs,), device=dev))
         plan_forward(plan, status, torch.randint(-2, 7, (bs,), device=dev), torch.randint(-2, 11, (bs,), device=dev),
                      torch.randint(-2, 11, (bs,), device=dev), table, rng.randint(0, 30), window=rng.choice([0, 3]),
-                     backend="cuda")
+                     reuse=reuse if seed % 2 else None, backend="cuda")
         # rolling-sweep slice of a spoiled export (bad inverse entries, starts, lens, non-monotone ends)
         import test_plan_roll as TR  # noqa: PLC0415
 
@@ -82,6 +86,11 @@ def main() -> None:
         b.loc[::50] = -7
         b.pos[::77] = -1
         run_bracket(b, "cuda", ring=16)
+        # the default policy's kernels: seal of few tokens x many layers, reuse plan, share, one-slot sweep segments
+        pol = TP.make_policy(950 + k, bs=5, prefix=[0, 3, 60, 9, 200], ext=[4, 1, 1, 1, 1], halves=2, layers=9,
+                             row_bytes=208, share=2, swa=k % 2 == 1)
+        pol.batch.loc[::3] = -7
+        TP.run_policy(pol, "cuda", dev)
     torch.cuda.synchronize()
     print("fuzz done", args.n, args.large)
 

@@ -39,7 +39,7 @@ def sources_to(src: FingerprintSources, device: str) -> FingerprintSources:
 
 
 def fp_to(fp: Fingerprint | None, device: str) -> Fingerprint | None:
-    return None if fp is None else Fingerprint(sources_to(fp.sources, device), fp.mode, fp.layer_stride)
+    return None if fp is None else Fingerprint(sources_to(fp.sources, device), fp.mode, fp.layer_stride, fp.share)
 
 
 def group_to(g: GroupView, device: str) -> GroupView:

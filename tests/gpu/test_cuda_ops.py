@@ -401,6 +401,6 @@ def test_native_entries_refuse_cpu_tensors() -> None:
     e = torch.zeros(0, dtype=torch.int64)
     one = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError):
-        mod.plan_forward(z, s, one, one, one, torch.zeros(1, 1, dtype=torch.int64), e, 0, e, 0, 1, 0, -1, 1)
+        mod.plan_forward(z, s, one, one, one, torch.zeros(1, 1, dtype=torch.int64), e, 0, e, 0, 1, 0, -1, 1, e, e, e, 0)
     with pytest.raises(ValueError):
         mod.fingerprint(torch.zeros(1, 1, 5, dtype=torch.int64), 0, one, one, 2, 1, 1, one)

@@ -49,8 +49,13 @@ def check_table_page(table: torch.Tensor, table_page: int) -> int:
 def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                  extend_lens: torch.Tensor, req_to_token: torch.Tensor, num_tokens: int, *, window: int = 0,
                  padding_row: int = -1, expect_prefix: torch.Tensor | None = None,
-                 expect_new: torch.Tensor | None = None, table_page: int = 1, backend: str = "torch") -> None:
+                 expect_new: torch.Tensor | None = None, table_page: int = 1,
+                 reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, backend: str = "torch") -> None:
     """Plan one forward's segments into ``plan`` and overwrite ``status`` (docs/ops-contract.md 2).
+
+    ``reuse = (reuse_plan, reuse_status, reuse_lens)`` also plans, in the same call (one launch on CUDA), the reuse
+    check: exactly ``plan_forward(reuse_plan, reuse_status, req_pool_indices, reuse_lens, zeros, req_to_token,
+    num_tokens, padding_row=padding_row, table_page=table_page)`` (window 0, no new tokens, no expected values).
 
     ``req_pool_indices``, ``prefix_lens``, ``extend_lens`` (and the optional ``expect_prefix`` / ``expect_new``
     chain values) are int64 ``[bs]``; ``req_to_token`` is the int32/int64 slot table ``[R, L]``, or with
@@ -73,14 +78,36 @@ def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: tor
     window = _check_scalar(window, "window", 0)
     padding_row = _check_scalar(padding_row, "padding_row", -1)
     table_page = check_table_page(table, table_page)
+    rp, rs, rl = _check_reuse(reuse, p, s, device, bs)
     b = check_backend(backend, device)
     if b == "torch":
         _plan_forward_torch(p, s, rpi, pre, ext, table, num_tokens, window, padding_row, ep, en, table_page)
+        if rl is not None:
+            _plan_forward_torch(rp, rs, rpi, rl, torch.zeros_like(rl), table, num_tokens, 0, padding_row, None, None,
+                                table_page)
         return
     e = empty_i64(device)
     _native.module(b).plan_forward(p, s, rpi, pre, ext, table, e if ep is None else ep, int(ep is not None),
                                    e if en is None else en, int(en is not None), num_tokens, window, padding_row,
-                                   table_page)
+                                   table_page, rp, rs, e if rl is None else rl, int(rl is not None))
+
+
+def _check_reuse(reuse: object, plan: torch.Tensor, status: torch.Tensor, device: torch.device,
+                 bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(reuse_plan, reuse_status, reuse_lens) validated, or (0-element, 0-element, None) when ``reuse`` is None."""
+    if reuse is None:
+        e = empty_i64(device)
+        return e, e, None
+    if not isinstance(reuse, tuple) or len(reuse) != 3:
+        raise CanaryInputError("reuse must be a (reuse_plan, reuse_status, reuse_lens) tuple")
+    rp = check_tensor(reuse[0], "reuse_plan", ndim=2, device=device, shape=(None, NUM_PLAN_COLS))
+    rs = check_tensor(reuse[1], "reuse_status", ndim=1, device=device, shape=(NUM_PLAN_STATUS_COLS,))
+    rl = check_tensor(reuse[2], "reuse_lens", ndim=1, device=device, shape=(bs,))
+    if rp.shape[0] < bs:
+        raise CanaryInputError(f"reuse_plan has {rp.shape[0]} rows, batch has {bs} requests")
+    if (rp.numel() and rp.data_ptr() == plan.data_ptr()) or rs.data_ptr() == status.data_ptr():
+        raise CanaryInputError("reuse_plan / reuse_status must be other buffers than plan / status")
+    return rp, rs, rl
 
 
 def plan_sweep(plan: torch.Tensor, status: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,

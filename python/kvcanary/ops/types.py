@@ -27,6 +27,11 @@ Backend = Literal["torch", "cpu", "cuda"]
 BACKENDS: tuple[Backend, ...] = ("torch", "cpu", "cuda")
 
 
+def is_power_of_two(v: object) -> bool:
+    """True for an int (not a bool) that is a power of two >= 1."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
+
+
 def check_backend(backend: str, device: torch.device) -> Backend:
     """Validate a backend name against the device of the data."""
     if backend not in BACKENDS:
@@ -232,14 +237,22 @@ def _source_entry(spec: SourceSpec, num_slots: int, device: torch.device, name: 
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """What a TAIL/SWEEP launch fingerprints: sources, mode and layer stride."""
+    """What a TAIL/SWEEP launch fingerprints: sources, mode and layer stride.
+
+    ``share`` S (a power of two): a TAIL verify checks the fingerprint of the entry at position p of a segment with
+    PREFIX_LEN L only when (p + L) % S == 0 (docs/ops-contract.md 4), so a decoding request's read slots each come
+    round once in any S of its forwards; SWEEP verifies and writes ignore it (they check / store every entry).
+    """
 
     sources: FingerprintSources
     mode: FingerprintMode = FingerprintMode.ALL
     layer_stride: int = 1
+    share: int = 1
 
     def __post_init__(self) -> None:
         if self.layer_stride < 1:
             raise CanaryInputError(f"fingerprint layer_stride must be >= 1, got {self.layer_stride}")
+        if not is_power_of_two(self.share):
+            raise CanaryInputError(f"fingerprint share must be a power of two >= 1, got {self.share!r}")
         if self.mode == FingerprintMode.NONE:
             raise CanaryInputError("use fingerprint=None instead of mode NONE")

@@ -69,9 +69,10 @@ def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Ten
         check_tensor(token_pool.tokens, "token pool", ndim=2, device=device)
     check_fingerprint(fingerprint, group, stage)
     tags = group.tags(stage)
+    share = fingerprint.share if fingerprint is not None and stage == Stage.TAIL else 1  # sweeps check every entry
     b = check_backend(backend, device)
     if b == "torch":
-        _verify_torch(group, tags, p, s, tbl, page, sink, token_pool, fingerprint)
+        _verify_torch(group, tags, p, s, tbl, page, sink, token_pool, fingerprint, share)
         return
     e = empty_i64(device)
     _native.module(b).verify(
@@ -82,13 +83,14 @@ def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Ten
         int(token_pool is not None), 0 if token_pool is None else token_pool.offset,
         e if fingerprint is None else fingerprint.sources.table,
         int(FingerprintMode.NONE) if fingerprint is None else int(fingerprint.mode),
-        1 if fingerprint is None else fingerprint.layer_stride, page)
+        1 if fingerprint is None else fingerprint.layer_stride, page, share)
 
 
 # ---- torch reference -------------------------------------------------------------------------------------------
 
 def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status: torch.Tensor,
-                  table: torch.Tensor, page: int, sink: Sink, pool: TokenPool | None, fp: Fingerprint | None) -> None:
+                  table: torch.Tensor, page: int, sink: Sink, pool: TokenPool | None, fp: Fingerprint | None,
+                  share: int) -> None:
     dev = group.records.device
     num_rows, stride = table.shape
     row_len = stride * page
@@ -202,8 +204,10 @@ def _verify_torch(group: GroupView, tags: list[int], plan: torch.Tensor, status:
             reasons |= _bit(in_pool & (r_tok != exp_tok), FailReason.VERIFY_TOKEN)
         exp_fp = torch.zeros_like(s)
         if fp is not None:
-            exp_fp = fingerprint_torch(fp.sources, h, s, p, fp.mode, fp.layer_stride)
-            reasons |= _bit(r_fp != exp_fp, FailReason.VERIFY_FINGERPRINT)
+            # the share (csrc/core/verify.cuh verify_fp_selected): & (S - 1) is the u64 remainder on int64 too
+            chosen = ((p + at(PlanCol.PREFIX_LEN, sid_ok)) & (share - 1)) == 0
+            exp_fp = torch.where(chosen, fingerprint_torch(fp.sources, h, s, p, fp.mode, fp.layer_stride), exp_fp)
+            reasons |= _bit(chosen & (r_fp != exp_fp), FailReason.VERIFY_FINGERPRINT)
         hit = reasons != 0
         r = violation_rows(int(hit.sum()), dev)
         r[:, ViolationCol.TAG] = tag
