@@ -592,7 +592,11 @@ def main() -> None:
     ap.add_argument("--no-structural", action="store_true", help="HEAD write without the structural check")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only the scenarios whose name has one "
                     "(and skip the chunk / sweep / profiler extras), e.g. --only 'policy base,fp default'")
+    ap.add_argument("--breakdown", action="store_true", help="only the per-kernel profile of a few scenarios")
     args = ap.parse_args()
+    if args.breakdown:
+        breakdown()
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name(0)

@@ -18,7 +18,7 @@ mkdir -p "$OUT"
   python3 -c "from kvcanary import _native; l = _native.load('cuda'); print('cuda module', l.origin, l.path, \
     _native.build_info()); raise SystemExit(l.origin != 'packaged')" || exit 1
   echo "=== gpu tests $(date -u +%T)"
-  timeout 180 python3 -m pytest -q -m gpu tests --ignore=tests/disagg -p no:cacheprovider --tb=short --maxfail=40 \
+  timeout 240 python3 -m pytest -q -m gpu tests --ignore=tests/disagg -p no:cacheprovider --tb=short --maxfail=40 \
     2>&1 | tail -40
   echo "=== sanitizer $(date -u +%T)"
   { timeout 90 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 --print-limit 20 \

@@ -151,7 +151,8 @@ def _roll_outputs(e: Any, m: int, cursor: int, width: int, backend: str, dev: st
          ("slots", "starts", "lens", "ends", "firsts", "prevs", "inv")}
     un = e.unlocked
     plan_roll(plan, status, chain_out, t["slots"], t["starts"], t["lens"], t["ends"], t["firsts"], t["prevs"],
-              t["inv"], m, cursor, unlocked=None if un is None else torch.tensor(un, device=dev), backend=backend)
+              t["inv"], m, cursor, unlocked=None if un is None else torch.tensor(un, dtype=torch.int64, device=dev),
+              backend=backend)
     n = int(status[PlanStatusCol.NUM_SEGMENTS])
     return [plan[:n].cpu(), status.cpu(), chain_out.cpu()]
 
