@@ -7,6 +7,7 @@ from kvcanary_schema import NO_SLOT, NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, PlanCo
 
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
+from kvcanary.ops.bound import BoundOp
 from kvcanary.ops.shared import table_slots
 from kvcanary.ops.types import check_backend, check_tensor
 
@@ -57,6 +58,16 @@ def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: tor
     ``table_page`` P > 1 a block table ``[R, B]`` of block ids (slot = block * P + position % P, L = B * P);
     ``plan`` needs ``cap >= bs`` rows. Bad values inside the tensors are counted in ``status`` (never raised).
     """
+    bind_plan_forward(plan, status, req_pool_indices, prefix_lens, extend_lens, req_to_token, num_tokens,
+                      window=window, padding_row=padding_row, expect_prefix=expect_prefix, expect_new=expect_new,
+                      table_page=table_page, backend=backend)(req_to_token)
+
+
+def bind_plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: torch.Tensor,
+                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, req_to_token: torch.Tensor, num_tokens: int,
+                      *, window: int = 0, padding_row: int = -1, expect_prefix: torch.Tensor | None = None,
+                      expect_new: torch.Tensor | None = None, table_page: int = 1, backend: str = "torch") -> BoundOp:
+    """:func:`plan_forward`'s arguments checked once: a call taking the slot table (see :class:`BoundOp`)."""
     device = req_pool_indices.device if isinstance(req_pool_indices, torch.Tensor) else torch.device("cpu")
     rpi = check_tensor(req_pool_indices, "req_pool_indices", ndim=1)
     bs = rpi.shape[0]
@@ -75,12 +86,12 @@ def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: tor
     table_page = check_table_page(table, table_page)
     b = check_backend(backend, device)
     if b == "torch":
-        _plan_forward_torch(p, s, rpi, pre, ext, table, num_tokens, window, padding_row, ep, en, table_page)
-        return
+        return BoundOp(_plan_forward_torch, (p, s, rpi, pre, ext),
+                       (num_tokens, window, padding_row, ep, en, table_page))
     e = empty_i64(device)
-    _native.module(b).plan_forward(p, s, rpi, pre, ext, table, e if ep is None else ep, int(ep is not None),
-                                   e if en is None else en, int(en is not None), num_tokens, window, padding_row,
-                                   table_page)
+    return BoundOp(_native.module(b).plan_forward, (p, s, rpi, pre, ext),
+                   (e if ep is None else ep, int(ep is not None), e if en is None else en, int(en is not None),
+                    num_tokens, window, padding_row, table_page), native=True)
 
 
 def plan_sweep(plan: torch.Tensor, status: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
