@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
-from kvcanary_schema import CHAIN_BASE, TOKEN_LIMIT
+from kvcanary_schema import CHAIN_BASE, CHAIN_SEED, SPLITMIX_MUL1, SPLITMIX_MUL2, TOKEN_LIMIT
 
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
@@ -120,3 +122,134 @@ def chain_truth(hasher: ChainHasher, key: Hashable, history: Sequence[int], pref
     if extend_len > 0 and known >= want_new and at_pre:
         en = H.to_i64(hasher.extend(key, history[want_pre:want_new], want_pre))
     return ep, en
+
+
+_U64 = np.uint64
+
+
+def chain_g_np(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """g(t, p) on uint64 numpy arrays (callers check the range: 0 <= t, p < TOKEN_LIMIT)."""
+    x = ((positions.astype(_U64) << _U64(32)) | tokens.astype(_U64)) ^ _U64(CHAIN_SEED)
+    x ^= x >> _U64(30)
+    x *= _U64(SPLITMIX_MUL1)
+    x ^= x >> _U64(27)
+    x *= _U64(SPLITMIX_MUL2)
+    return np.asarray(x ^ (x >> _U64(31)))
+
+
+class _Powers:
+    """CHAIN_BASE^k mod 2^64 as uint64, k = 0..n-1, grown on demand."""
+
+    def __init__(self) -> None:
+        self.table = np.ones(1, dtype=_U64)
+
+    def upto(self, n: int) -> np.ndarray:
+        while self.table.shape[0] < n:
+            k = self.table.shape[0]
+            self.table = np.concatenate([self.table, self.table * _U64(pow(CHAIN_BASE, k, 1 << 64))])
+        return self.table
+
+
+@dataclass
+class BatchTruth:
+    """Expected chain values (int64 bit-cast) of one forward's requests and which of them are known."""
+
+    expect_prefix: np.ndarray  # int64 [bs]
+    expect_new: np.ndarray  # int64 [bs]
+    prefix_known: np.ndarray  # bool [bs]
+    new_known: np.ndarray  # bool [bs]
+
+
+class RowChains:
+    """Token truth in bulk: per slot-table row, its request, the chain value of that request's true history and the
+    true tokens consumed (numpy arrays). A forward whose requests continue where their rows left off is hashed with
+    a few vectorized numpy ops (no Python step per request); other requests (new, moved, rewound) catch up one by one
+    through :func:`chain_truth`, which stays the oracle."""
+
+    def __init__(self, rows: int, offset: int = 0) -> None:
+        """State for ``rows`` slot-table rows; ``offset`` as in :class:`ChainHasher`."""
+        self.offset = offset
+        self.h = np.full(rows, H.CHAIN_H0, dtype=_U64)
+        self.n = np.zeros(rows, dtype=np.int64)
+        self.owner = np.full(rows, None, dtype=object)
+        self._row: dict[Hashable, int] = {}
+        self._pw = _Powers()
+
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key``'s row state (finished or retracted request); unknown keys are ignored."""
+        row = self._row.pop(key, None)
+        if row is not None and self.owner[row] == key:
+            self.owner[row] = None
+
+    def forward(self, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
+                new_tokens: np.ndarray | None, histories: Sequence[Sequence[int]] | None) -> BatchTruth:
+        """Expected chains of one forward and the state advanced past its new tokens.
+
+        ``rows``/``pre``/``ext`` int64 [bs], ``keys`` object [bs], ``live`` bool [bs] (False: padding, untouched);
+        ``new_tokens`` int64 [num_tokens], flat like input_ids: the true token of each new position p (the
+        history's token at p + offset), negative where unknown; ``histories`` the true histories (for catch-up).
+        """
+        bs = rows.shape[0]
+        out = BatchTruth(np.zeros(bs, np.int64), np.zeros(bs, np.int64), np.zeros(bs, bool), np.zeros(bs, bool))
+        fast = live & (self.owner[rows] == keys) & (self.n[rows] == pre + self.offset)
+        if new_tokens is not None:
+            self._fast(np.flatnonzero(fast), rows, pre, ext, new_tokens, out)
+        else:
+            fast[:] = False
+        for i in np.flatnonzero(live & ~fast).tolist():
+            self._catch_up(i, int(rows[i]), keys[i], int(pre[i]), int(ext[i]),
+                           None if histories is None else histories[i], out)
+        return out
+
+    def _fast(self, idx: np.ndarray, rows: np.ndarray, pre: np.ndarray, ext: np.ndarray, new_tokens: np.ndarray,
+              out: BatchTruth) -> None:
+        """Requests continuing at their prefix end: one segmented fold over their new tokens."""
+        if idx.size == 0:
+            return
+        r, p, e = rows[idx], pre[idx], ext[idx]
+        out.expect_prefix[idx] = np.where(p > 0, self.h[r].view(np.int64), 0)  # no prefix: nothing to expect
+        out.prefix_known[idx] = p > 0
+        begin = (np.cumsum(ext) - ext)[idx]
+        seg = np.repeat(np.arange(idx.size), e)
+        j = np.arange(seg.size) - np.repeat(np.cumsum(e) - e, e)
+        tok = new_tokens[begin[seg] + j]
+        pos = p[seg] + j
+        if (tok >= TOKEN_LIMIT).any() or (pos + self.offset >= TOKEN_LIMIT).any():
+            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
+        unknown = np.zeros(idx.size, bool)
+        np.logical_or.at(unknown, seg, tok < 0)
+        known = (e > 0) & ~unknown
+        pw = self._pw.upto(int(e.max(initial=0)) + 1)
+        terms = chain_g_np(np.maximum(tok, 0), pos) * pw[e[seg] - 1 - j]
+        sums = np.zeros(idx.size, _U64)
+        np.add.at(sums, seg, terms)
+        h_end = self.h[r] * pw[e] + sums
+        k = idx[known]
+        out.expect_new[k] = h_end[known].view(np.int64)
+        out.new_known[k] = True
+        self.h[r[known]] = h_end[known]
+        self.n[r[known]] = (p + e + self.offset)[known]
+
+    def _catch_up(self, i: int, row: int, key: Hashable, pre: int, ext: int, history: Sequence[int] | None,
+                  out: BatchTruth) -> None:
+        """One request through chain_truth, seeded with its row state when the row is still its own."""
+        if history is None:
+            return
+        scratch = ChainHasher(self.offset)
+        if self.owner[row] == key:
+            scratch._state[key] = (int(self.h[row]), int(self.n[row]))
+        ep, en = chain_truth(scratch, key, history, pre, ext, self.offset)
+        self._claim(row, key)
+        self.h[row], self.n[row] = scratch.value(key), scratch.length(key)
+        out.expect_prefix[i], out.prefix_known[i] = ep or 0, ep is not None
+        out.expect_new[i], out.new_known[i] = en or 0, en is not None
+
+    def _claim(self, row: int, key: Hashable) -> None:
+        old = self._row.get(key)
+        if old is not None and old != row and self.owner[old] == key:
+            self.owner[old] = None
+        prev = self.owner[row]
+        if prev is not None and prev != key:
+            self._row.pop(prev, None)
+        self.owner[row] = key
+        self._row[key] = row
