@@ -64,10 +64,8 @@ class Workload:
         self.kv = [torch.randn(self.num_slots, 2, 64, generator=g).to(torch.bfloat16).to(device) for _ in range(4)]
 
     def pool(self) -> PoolDescription:
-        return PoolDescription(self.num_slots, self.bs + 1, self.ctx, [GroupSpec(Group.FULL, self.num_slots, 1,
-                                                                                 reserved_slots=1, sources=[
-                                                                                     [SourceSpec(t) for t in self.kv]])],
-                               self.device, padding_row=0)
+        group = GroupSpec(Group.FULL, self.num_slots, 1, reserved_slots=1, sources=[[SourceSpec(t) for t in self.kv]])
+        return PoolDescription(self.num_slots, self.bs + 1, self.ctx, [group], self.device, padding_row=0)
 
     def rewind(self, tokens: int) -> None:
         """Forget the last ``tokens`` decoded tokens of every request (a batch that was built but never ran)."""

@@ -137,9 +137,9 @@ class BatchView:
     positions: torch.Tensor  # [num_tokens]
     out_cache_loc: torch.Tensor  # [num_tokens], table-space slots, negative = skipped
     request_ids: Sequence[Hashable | None]  # None for padding rows
-    req_pool_indices_host: Sequence[int] | np.ndarray | torch.Tensor
-    prefix_lens_host: Sequence[int] | np.ndarray | torch.Tensor
-    extend_lens_host: Sequence[int] | np.ndarray | torch.Tensor
+    req_pool_indices_host: Sequence[int] | np.ndarray
+    prefix_lens_host: Sequence[int] | np.ndarray
+    extend_lens_host: Sequence[int] | np.ndarray
     true_tokens: Sequence[Sequence[int]] | None = None
     token_offset: int | None = None  # None: the pool's
     # token truth computed by the engine (e.g. vLLM's scheduler, kvcanary.truth.chain_truth): per row
@@ -148,7 +148,7 @@ class BatchView:
     # the fast form of token truth (no Python step per request): host int64 [num_tokens], flat like input_ids, the
     # true token of each new position p (true_tokens[i][p + offset]), negative where unknown. Requests that continue
     # where their previous forward left off are hashed from it in bulk; the others (new, moved, rewound) still catch
-    # up from ``true_tokens``. The *_host facts may then be int64 numpy arrays or CPU tensors as well as lists.
+    # up from ``true_tokens``. The *_host facts may be int64 numpy arrays as well as lists (no conversion then).
     true_new_tokens: torch.Tensor | np.ndarray | None = None
 
     @property

@@ -113,10 +113,12 @@ class Health:
 
 
 def _watchdog(counters: np.ndarray, expected: np.ndarray) -> list[HealthProblem]:
-    runs = counters[:, [CounterCol.VERIFY_RUNS, CounterCol.WRITE_RUNS]]
-    short = np.flatnonzero((runs < expected).any(1)).tolist()
-    if not short:
+    behind = (counters[:, CounterCol.VERIFY_RUNS] < expected[:, 0]) | \
+        (counters[:, CounterCol.WRITE_RUNS] < expected[:, 1])
+    if not behind.any():
         return []
+    runs = counters[:, [CounterCol.VERIFY_RUNS, CounterCol.WRITE_RUNS]]
+    short = np.flatnonzero(behind).tolist()
     names = [LaunchTag(t).name for t in short]
     return [HealthProblem("watchdog", (
         f"kvcanary: kernel runs behind for tags {names}: device verify/write runs "

@@ -207,28 +207,43 @@ class RowChains:
         if idx.size == 0:
             return
         r, p, e = rows[idx], pre[idx], ext[idx]
-        out.expect_prefix[idx] = np.where(p > 0, self.h[r].view(np.int64), 0)  # no prefix: nothing to expect
+        h = self.h[r]
+        out.expect_prefix[idx] = np.where(p > 0, h.view(np.int64), 0)  # no prefix: nothing to expect
         out.prefix_known[idx] = p > 0
         begin = (np.cumsum(ext) - ext)[idx]
-        seg = np.repeat(np.arange(idx.size), e)
-        j = np.arange(seg.size) - np.repeat(np.cumsum(e) - e, e)
-        tok = new_tokens[begin[seg] + j]
-        pos = p[seg] + j
-        if (tok >= TOKEN_LIMIT).any() or (pos + self.offset >= TOKEN_LIMIT).any():
-            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
-        unknown = np.zeros(idx.size, bool)
-        np.logical_or.at(unknown, seg, tok < 0)
-        known = (e > 0) & ~unknown
-        pw = self._pw.upto(int(e.max(initial=0)) + 1)
-        terms = chain_g_np(np.maximum(tok, 0), pos) * pw[e[seg] - 1 - j]
-        sums = np.zeros(idx.size, _U64)
-        np.add.at(sums, seg, terms)
-        h_end = self.h[r] * pw[e] + sums
+        if (e == 1).all():  # decode: one new token each
+            h_end, known = self._fold_one(h, new_tokens[begin], p)
+        else:
+            h_end, known = self._fold_segments(h, begin, p, e, new_tokens)
         k = idx[known]
         out.expect_new[k] = h_end[known].view(np.int64)
         out.new_known[k] = True
         self.h[r[known]] = h_end[known]
         self.n[r[known]] = (p + e + self.offset)[known]
+
+    def _fold_one(self, h: np.ndarray, tok: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(h * B + g(t, p), known) for one token per request."""
+        self._check(tok, pos)
+        return h * _U64(CHAIN_BASE) + chain_g_np(np.maximum(tok, 0), pos), tok >= 0
+
+    def _fold_segments(self, h: np.ndarray, begin: np.ndarray, pre: np.ndarray, ext: np.ndarray,
+                       new_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(h * B^e + sum_j g_j B^(e-1-j), known) over each request's e new tokens (h_n of the chain)."""
+        seg = np.repeat(np.arange(ext.size), ext)
+        j = np.arange(seg.size) - np.repeat(np.cumsum(ext) - ext, ext)
+        tok = new_tokens[begin[seg] + j]
+        pos = pre[seg] + j
+        self._check(tok, pos)
+        unknown = np.zeros(ext.size, bool)
+        np.logical_or.at(unknown, seg, tok < 0)
+        pw = self._pw.upto(int(ext.max(initial=0)) + 1)
+        sums = np.zeros(ext.size, _U64)
+        np.add.at(sums, seg, chain_g_np(np.maximum(tok, 0), pos) * pw[ext[seg] - 1 - j])
+        return h * pw[ext] + sums, (ext > 0) & ~unknown
+
+    def _check(self, tok: np.ndarray, pos: np.ndarray) -> None:
+        if tok.size and (int(tok.max()) >= TOKEN_LIMIT or int(pos.max()) + self.offset >= TOKEN_LIMIT):
+            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
 
     def _catch_up(self, i: int, row: int, key: Hashable, pre: int, ext: int, history: Sequence[int] | None,
                   out: BatchTruth) -> None:

@@ -80,7 +80,7 @@ class Upload:
         rows, pre, ext = (host_i64(v) for v in (batch.req_pool_indices_host, batch.prefix_lens_host,
                                                  batch.extend_lens_host))
         keys = request_keys(batch.request_ids)
-        live = np.not_equal(keys, None) & (rows != self.pool.padding_row)
+        live = np.not_equal(keys, None) & (rows != self.pool.padding_row)  # type: ignore[call-overload]
         k = self._index
         self._index ^= 1
         if self._events[k] is not None:

@@ -8,9 +8,9 @@ from typing import Any
 import kvcanary.program as program_mod
 import pytest
 import torch
+from kvcanary.health import CanaryHealthError
 from kvcanary.manager import CanaryManager
 from kvcanary.ops.bound import BoundOp
-from kvcanary.health import CanaryHealthError
 from kvcanary_schema import Stage
 
 from .helpers import run, setup, step
