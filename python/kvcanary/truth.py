@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,14 +127,20 @@ def chain_truth(hasher: ChainHasher, key: Hashable, history: Sequence[int], pref
 _U64 = np.uint64
 
 
+_SEED, _MUL1, _MUL2, _BASE = (np.uint64(v) for v in (CHAIN_SEED, SPLITMIX_MUL1, SPLITMIX_MUL2, CHAIN_BASE))
+_S27, _S30, _S31, _S32 = (np.uint64(v) for v in (27, 30, 31, 32))
+
+
 def chain_g_np(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """g(t, p) on uint64 numpy arrays (callers check the range: 0 <= t, p < TOKEN_LIMIT)."""
-    x = ((positions.astype(_U64) << _U64(32)) | tokens.astype(_U64)) ^ _U64(CHAIN_SEED)
-    x ^= x >> _U64(30)
-    x *= _U64(SPLITMIX_MUL1)
-    x ^= x >> _U64(27)
-    x *= _U64(SPLITMIX_MUL2)
-    return np.asarray(x ^ (x >> _U64(31)))
+    """g(t, p) on int64 numpy arrays, as uint64 (callers check the range: 0 <= t, p < TOKEN_LIMIT)."""
+    x = (positions.view(_U64) << _S32) | tokens.view(_U64)
+    x ^= _SEED
+    x ^= x >> _S30
+    x *= _MUL1
+    x ^= x >> _S27
+    x *= _MUL2
+    x ^= x >> _S31
+    return x
 
 
 class _Powers:
@@ -166,9 +172,11 @@ class RowChains:
     a few vectorized numpy ops (no Python step per request); other requests (new, moved, rewound) catch up one by one
     through :func:`chain_truth`, which stays the oracle."""
 
-    def __init__(self, rows: int, offset: int = 0) -> None:
-        """State for ``rows`` slot-table rows; ``offset`` as in :class:`ChainHasher`."""
+    def __init__(self, rows: int, offset: int = 0, step: Callable[..., int] | None = None) -> None:
+        """State for ``rows`` slot-table rows; ``offset`` as in :class:`ChainHasher`; ``step``: the native
+        ``hash_chain_step(h, tokens, positions, out) -> errors`` of the C++ backend (None: numpy)."""
         self.offset = offset
+        self.step = step
         self.h = np.full(rows, H.CHAIN_H0, dtype=_U64)
         self.n = np.zeros(rows, dtype=np.int64)
         self.owner = np.full(rows, None, dtype=object)
@@ -190,8 +198,10 @@ class RowChains:
         history's token at p + offset), negative where unknown; ``histories`` the true histories (for catch-up).
         """
         bs = rows.shape[0]
-        out = BatchTruth(np.zeros(bs, np.int64), np.zeros(bs, np.int64), np.zeros(bs, bool), np.zeros(bs, bool))
         fast = live & (self.owner[rows] == keys) & (self.n[rows] == pre + self.offset)
+        if new_tokens is not None and fast.all() and (ext == 1).all():
+            return self._decode(rows, pre, new_tokens[:bs])
+        out = BatchTruth(np.zeros(bs, np.int64), np.zeros(bs, np.int64), np.zeros(bs, bool), np.zeros(bs, bool))
         if new_tokens is not None:
             self._fast(np.flatnonzero(fast), rows, pre, ext, new_tokens, out)
         else:
@@ -200,6 +210,16 @@ class RowChains:
             self._catch_up(i, int(rows[i]), keys[i], int(pre[i]), int(ext[i]),
                            None if histories is None else histories[i], out)
         return out
+
+    def _decode(self, rows: np.ndarray, pre: np.ndarray, tok: np.ndarray) -> BatchTruth:
+        """The common decode forward: every request continues with one new token (no index gathers)."""
+        h = self.h[rows]
+        h_end, known = self._fold_one(h, tok, pre)
+        self.h[rows] = np.where(known, h_end, h)
+        self.n[rows] = pre + self.offset + known
+        has_prefix = pre > 0
+        return BatchTruth(np.where(has_prefix, h.view(np.int64), 0), np.where(known, h_end.view(np.int64), 0),
+                          has_prefix, known)
 
     def _fast(self, idx: np.ndarray, rows: np.ndarray, pre: np.ndarray, ext: np.ndarray, new_tokens: np.ndarray,
               out: BatchTruth) -> None:
@@ -222,9 +242,16 @@ class RowChains:
         self.n[r[known]] = (p + e + self.offset)[known]
 
     def _fold_one(self, h: np.ndarray, tok: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(h * B + g(t, p), known) for one token per request."""
-        self._check(tok, pos)
-        return h * _U64(CHAIN_BASE) + chain_g_np(np.maximum(tok, 0), pos), tok >= 0
+        """(h * B + g(t, p), known) for one token per request (one native call when the C++ backend is loaded)."""
+        known = tok >= 0
+        if self.step is None:
+            self._check(tok, pos)
+            return h * _BASE + chain_g_np(np.maximum(tok, 0), pos), known
+        out = np.empty_like(h)
+        errors = self.step(h.view(np.int64), np.ascontiguousarray(tok), np.ascontiguousarray(pos), out.view(np.int64))
+        if errors > tok.size - int(known.sum()):  # more than the unknown tokens: a value out of range
+            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
+        return out, known
 
     def _fold_segments(self, h: np.ndarray, begin: np.ndarray, pre: np.ndarray, ext: np.ndarray,
                        new_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -242,7 +269,7 @@ class RowChains:
         return h * pw[ext] + sums, (ext > 0) & ~unknown
 
     def _check(self, tok: np.ndarray, pos: np.ndarray) -> None:
-        if tok.size and (int(tok.max()) >= TOKEN_LIMIT or int(pos.max()) + self.offset >= TOKEN_LIMIT):
+        if tok.size and (int(tok.max()) >= TOKEN_LIMIT or int(pos.max()) >= TOKEN_LIMIT):
             raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
 
     def _catch_up(self, i: int, row: int, key: Hashable, pre: int, ext: int, history: Sequence[int] | None,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, cast
 
 import numpy as np
 import torch
 from kvcanary_schema import PlanFlag, TokenTruth
 
+from kvcanary import _native
 from kvcanary.adapter import BatchView, PoolDescription
 from kvcanary.config import CanaryConfig, CoveragePolicy
 from kvcanary.errors import KVCanaryInternalError
@@ -44,7 +45,8 @@ class Upload:
         """Staging for ``state``; ``health.coverage`` observes every request's verified slots."""
         self.state, self.pool, self.config, self.backend = state, pool, config, backend
         self.health = health
-        self.chains = RowChains(pool.req_rows, pool.token_offset)
+        self._step = _native_step(backend)
+        self.chains = RowChains(pool.req_rows, pool.token_offset, self._step)
         self.stripes = Stripes(config.stripe_size, config.window_links) \
             if config.coverage == CoveragePolicy.WINDOW else None
         self.last_seen: dict[Hashable, int] = {}
@@ -132,7 +134,7 @@ class Upload:
             return
         offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
         if offset != self.chains.offset:
-            self.chains = RowChains(self.pool.req_rows, offset)
+            self.chains = RowChains(self.pool.req_rows, offset, self._step)
         if batch.expected_chains is not None:
             t = _given_chains(batch.expected_chains, live)
         elif batch.true_tokens is None and batch.true_new_tokens is None:
@@ -193,3 +195,10 @@ def _given_chains(given: Sequence[tuple[int | None, int | None]], live: np.ndarr
     return BatchTruth(np.asarray(ep, np.int64), np.asarray(en, np.int64),
                       live & np.asarray([p is not None for p, _ in given], bool),
                       live & np.asarray([n is not None for _, n in given], bool))
+
+
+def _native_step(backend: str) -> Callable[..., int] | None:
+    """The C++ backend's vectorized chain step for the host hasher, when a native backend is in use and it loads."""
+    if backend == "torch" or not _native.available("cpu"):
+        return None
+    return cast(Callable[..., int], _native.module("cpu").hash_chain_step)

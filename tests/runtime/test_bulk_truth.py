@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
 from kvcanary.truth import ChainHasher, RowChains, chain_g_np, chain_truth
@@ -31,14 +32,14 @@ _forward = st.lists(st.tuples(st.integers(0, 4), st.integers(0, ROWS - 1), st.in
 
 @settings(max_examples=150, deadline=None)
 @given(steps=st.lists(_forward, min_size=1, max_size=8), offset=st.integers(0, 1), seed=st.integers(0, 2**16),
-       bulk=st.booleans())
+       bulk=st.booleans(), native=st.booleans())
 def test_row_chains_equal_chain_hasher(steps: list[list[tuple[int, int, int, bool]]], offset: int, seed: int,
-                                       bulk: bool) -> None:
+                                       bulk: bool, native: bool) -> None:
     rng = np.random.default_rng(seed)
     hist = {k: [int(t) for t in rng.integers(0, 1000, int(rng.integers(4, 30)))] for k in range(5)}  # truth known
     done = dict.fromkeys(range(5), 0)  # tokens each request has in its KV so far
     oracle = ChainHasher(offset)
-    chains = RowChains(ROWS, offset)
+    chains = RowChains(ROWS, offset, _native.module("cpu").hash_chain_step if native else None)
     for fwd in steps:
         seen: dict[int, tuple[int, int, int]] = {}
         for key, row, ext, rewind in fwd:
@@ -73,8 +74,9 @@ def test_padding_rows_are_left_alone() -> None:
     assert chains.owner[0] is None and chains.owner[1] == "a"
 
 
-def test_bad_true_token_raises() -> None:
-    chains = RowChains(2)
+@pytest.mark.parametrize("native", [False, True])
+def test_bad_true_token_raises(native: bool) -> None:
+    chains = RowChains(2, step=_native.module("cpu").hash_chain_step if native else None)
     chains.forward(np.array([1]), np.array(["a"], dtype=object), np.array([True]), np.array([0]), np.array([1]),
                    None, [(3,)])
     with pytest.raises(CanaryInputError):
