@@ -54,18 +54,18 @@ class Upload:
         self._host = [u.numpy() for u in state.upload]
         self._index = 0
         self._events: list[Any] = [None, None]
-        self._views: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor]] = {}
+        self._views: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = {}
         self.mask_needed = True
         self.any_new = True
 
     def copy_batch(self, batch: BatchView) -> None:
         """The batch tensors into the static buffers (one foreach copy)."""
-        dst, _ = self._slices(batch.batch_size, batch.num_tokens)
+        dst, _, _ = self._slices(batch.batch_size, batch.num_tokens)
         torch._foreach_copy_(dst, [batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids,
                                    batch.positions, batch.out_cache_loc], non_blocking=True)
 
-    def _slices(self, bs: int, nt: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The static buffers' views of one batch shape (batch tensors, truth rows), cached."""
+    def _slices(self, bs: int, nt: int) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+        """The static buffers' views of one batch shape (batch tensors, truth rows, host staging rows), cached."""
         got = self._views.get((bs, nt))
         if got is None:
             st = self.state
@@ -73,7 +73,7 @@ class Upload:
                 self._views.clear()
             got = self._views[(bs, nt)] = (
                 [st.req_pool_indices[:bs], st.prefix_lens[:bs], st.extend_lens[:bs], st.input_ids[:nt],
-                 st.positions[:nt], st.out_cache_loc[:nt]], st.truth_rows[:, :bs])
+                 st.positions[:nt], st.out_cache_loc[:nt]], st.truth_rows[:, :bs], [u[:, :bs] for u in st.upload])
         return got
 
     def upload(self, batch: BatchView, step: int, capture: bool) -> None:
@@ -88,15 +88,14 @@ class Upload:
         if self._events[k] is not None:
             self._events[k].synchronize()
         out = self._host[k][:, :bs]
-        out[:] = 0
-        out[2] = KEEP_ALL
+        out[3:] = 0  # stripe and reuse ends; _truth writes rows 0-2
         self._seen(keys, live, pre, step, capture, out[4])
         if self.stripes is not None:
             self._stripe_ends(keys, live, pre, capture, out[3])
         self._truth(batch, rows, keys, live, pre, ext, out)
         self.mask_needed = bool((out[2] != KEEP_ALL).any())
-        _, dev = self._slices(bs, batch.num_tokens)
-        dev.copy_(self.state.upload[k][:, :bs], non_blocking=True)
+        _, dev, host = self._slices(bs, batch.num_tokens)
+        dev.copy_(host[k], non_blocking=True)
         if self.state.device.type == "cuda":
             e = torch.cuda.Event()  # type: ignore[no-untyped-call]
             e.record()
@@ -105,7 +104,8 @@ class Upload:
     def _seen(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, step: int, capture: bool,
               reuse_end: np.ndarray) -> None:
         """Last-seen steps; a request's first forward verifies its whole reused prefix (reuse end = prefix)."""
-        ids = keys[live].tolist()
+        every = bool(live.all())
+        ids = keys.tolist() if every else keys[live].tolist()
         new = set(ids).difference(self.last_seen)
         self.any_new = bool(new) and not capture
         if self.any_new:
@@ -113,7 +113,7 @@ class Upload:
             reuse_end[is_new] = pre[is_new]
         self.last_seen.update(dict.fromkeys(ids, step))
         if self.stripes is None and not capture:
-            self.health.coverage.observe_all(ids, pre[live].tolist())
+            self.health.coverage.observe_all(ids, (pre if every else pre[live]).tolist())
 
     def _stripe_ends(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, capture: bool,
                      out: np.ndarray) -> None:
@@ -128,7 +128,7 @@ class Upload:
         """EXPECT_PREFIX / EXPECT_NEW values and flag mask (CHAIN), or the token pool rows (POOL)."""
         cfg = self.config
         if cfg.token_truth != TokenTruth.CHAIN:
-            out[2] = NO_PREFIX & NO_NEW
+            out[:2], out[2] = 0, NO_PREFIX & NO_NEW
             if cfg.token_truth == TokenTruth.POOL and batch.true_tokens is not None:
                 self._pool_truth(batch, rows, keys, live, pre, ext)
             return
