@@ -6,6 +6,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from kvcanary_schema import Group
 
@@ -136,14 +137,19 @@ class BatchView:
     positions: torch.Tensor  # [num_tokens]
     out_cache_loc: torch.Tensor  # [num_tokens], table-space slots, negative = skipped
     request_ids: Sequence[Hashable | None]  # None for padding rows
-    req_pool_indices_host: Sequence[int]
-    prefix_lens_host: Sequence[int]
-    extend_lens_host: Sequence[int]
+    req_pool_indices_host: Sequence[int] | np.ndarray
+    prefix_lens_host: Sequence[int] | np.ndarray
+    extend_lens_host: Sequence[int] | np.ndarray
     true_tokens: Sequence[Sequence[int]] | None = None
     token_offset: int | None = None  # None: the pool's
     # token truth computed by the engine (e.g. vLLM's scheduler, kvcanary.truth.chain_truth): per row
     # (expect_prefix, expect_new) as int64 chain values, None where unknown; used instead of true_tokens
     expected_chains: Sequence[tuple[int | None, int | None]] | None = None
+    # the fast form of token truth (no Python step per request): host int64 [num_tokens], flat like input_ids, the
+    # true token of each new position p (true_tokens[i][p + offset]), negative where unknown. Requests that continue
+    # where their previous forward left off are hashed from it in bulk; the others (new, moved, rewound) still catch
+    # up from ``true_tokens``. The *_host facts may be int64 numpy arrays as well as lists (no conversion then).
+    true_new_tokens: torch.Tensor | np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:
@@ -181,7 +187,10 @@ class BatchView:
             value = getattr(self, name)
             if value is not None and len(value) != bs:
                 raise CanaryInputError(f"batch.{name} has {len(value)} entries, batch size is {bs}")
-        if sum(max(0, e) for e in self.extend_lens_host) > n:
+        if self.true_new_tokens is not None and len(self.true_new_tokens) != n:
+            raise CanaryInputError(f"batch.true_new_tokens has {len(self.true_new_tokens)} entries, the batch has {n} "
+                                   "new tokens")
+        if int(np.maximum(np.asarray(self.extend_lens_host, dtype=np.int64), 0).sum()) > n:
             raise CanaryInputError(f"batch.extend_lens_host sums to more than the {n} new tokens")
         if self.token_offset is not None and self.token_offset < 0:
             raise CanaryInputError(f"batch.token_offset must be >= 0, got {self.token_offset}")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 from kvcanary_schema import NUM_COUNTER_COLS, NUM_LAUNCH_TAGS, CounterCol, LaunchTag, PlanStatusCol
 
 from kvcanary.errors import KVCanaryError
@@ -38,6 +38,12 @@ class Coverage:
         self.live[request] = prefix_len
         self.verified[request] = min(prefix_len, self.verified.get(request, 0) + newly_verified)
 
+    def observe_all(self, requests: Sequence[Hashable], prefix_lens: Sequence[int]) -> None:
+        """:meth:`observe` of requests whose whole prefix was verified (FULL policy), in bulk."""
+        seen = dict(zip(requests, prefix_lens, strict=True))
+        self.live.update(seen)
+        self.verified.update(seen)
+
     def fraction(self) -> float:
         """Fraction of live slots verified at least once in the window (1.0 when nothing is live)."""
         live = sum(self.live.values())
@@ -48,13 +54,12 @@ class Health:
     """Compares staged device counters with what the host launched; tracks coverage for the stats line."""
 
     def __init__(self, stats_interval: int, watchdog: bool = True) -> None:
-        self.expected = torch.zeros(NUM_LAUNCH_TAGS, 2, dtype=torch.int64)  # [tag, (VERIFY_RUNS, WRITE_RUNS)]
+        self.expected = np.zeros((NUM_LAUNCH_TAGS, 2), dtype=np.int64)  # [tag, (VERIFY_RUNS, WRITE_RUNS)]
         self.expected_forwards = 0
         self.stats_interval = stats_interval
         self.watchdog = watchdog
         self.coverage = Coverage()
-        self.last_counters = torch.zeros(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS, dtype=torch.int64)
-        self.stats_counters = torch.zeros(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS, dtype=torch.int64)
+        self.stats_counters = np.zeros((NUM_LAUNCH_TAGS, NUM_COUNTER_COLS), dtype=np.int64)
         self.problems: list[HealthProblem] = []
         self.last_stats_line: str | None = None
 
@@ -63,33 +68,20 @@ class Health:
         self.expected[tag, 0] += verify_runs
         self.expected[tag, 1] += write_runs
 
-    def expect_all(self, runs: torch.Tensor) -> None:
+    def expect_all(self, runs: np.ndarray) -> None:
         """Add a whole [NUM_LAUNCH_TAGS, 2] table of (verify, write) launches (one forward's)."""
         self.expected += runs
 
-    def check(self, counters: list[list[int]], phase: list[int], plan_status: list[list[int]], dropped: int,
-              capacity: int) -> list[HealthProblem]:
-        """Check one staged snapshot (host values) against the expectations at staging time."""
+    def check(self, counters: np.ndarray, phase: np.ndarray, plan_status: np.ndarray, dropped: int, capacity: int,
+              expected: np.ndarray, expected_forwards: int) -> list[HealthProblem]:
+        """Check one staged snapshot (host int64 arrays) against the expectations at staging time."""
         found: list[HealthProblem] = []
         if self.watchdog:
-            runs = [[row[CounterCol.VERIFY_RUNS], row[CounterCol.WRITE_RUNS]] for row in counters]
-            want = self.expected.tolist()
-            short = [t for t in range(NUM_LAUNCH_TAGS) if runs[t][0] < want[t][0] or runs[t][1] < want[t][1]]
-            if short:
-                names = [LaunchTag(t).name for t in short]
-                found.append(HealthProblem("watchdog", (
-                    f"kvcanary: kernel runs behind for tags {names}: device verify/write runs "
-                    f"{[runs[t] for t in short]} < launched {[want[t] for t in short]}; a canary launch was skipped")))
-            p0, p1 = phase
-            if (p0, p1) != (self.expected_forwards, self.expected_forwards):
-                found.append(HealthProblem("phase", (
-                    f"kvcanary: phase check failed: pre={p0} post={p1} device brackets, {self.expected_forwards} "
-                    f"forwards on the host; a forward (or a replayed graph) ran without the canary ops")))
-        status = plan_status
-        if max(row[PlanStatusCol.OVERFLOW] for row in status) > 0:
+            found += _watchdog(counters, expected) + _phase(phase, expected_forwards)
+        if plan_status[:, PlanStatusCol.OVERFLOW].max() > 0:
             found.append(HealthProblem("overflow", (
                 "kvcanary: a batch claimed more tokens than it has (plan OVERFLOW); those requests were not checked")))
-        errs = max(row[PlanStatusCol.INPUT_ERRORS] for row in status)
+        errs = int(plan_status[:, PlanStatusCol.INPUT_ERRORS].max())
         if errs:
             found.append(HealthProblem("input_errors", f"kvcanary: {errs} request(s) with out-of-range batch values "
                                                        "were skipped by the plan"))
@@ -100,13 +92,12 @@ class Health:
         self.problems.extend(found)
         return found
 
-    def stats(self, step: int, counters: list[list[int]], sweeps_completed: int, violations_total: int) -> str | None:
+    def stats(self, step: int, counters: np.ndarray, sweeps_completed: int, violations_total: int) -> str | None:
         """The periodic stats line (coverage over the window, not a running sum), or None when not due."""
         if self.stats_interval == 0 or step % self.stats_interval != 0:
             return None
-        now = torch.tensor(counters, dtype=torch.int64)
-        delta = now - self.stats_counters
-        self.stats_counters = now
+        delta = counters - self.stats_counters
+        self.stats_counters = counters.copy()
         checked = int(delta[:, CounterCol.ENTRIES_CHECKED].sum())
         written = int(delta[:, CounterCol.ENTRIES_WRITTEN].sum())
         active = int((delta[:, CounterCol.VERIFY_RUNS] + delta[:, CounterCol.WRITE_RUNS] > 0).sum())
@@ -119,3 +110,25 @@ class Health:
         self.coverage = Coverage()
         self.last_stats_line = line
         return line
+
+
+def _watchdog(counters: np.ndarray, expected: np.ndarray) -> list[HealthProblem]:
+    behind = (counters[:, CounterCol.VERIFY_RUNS] < expected[:, 0]) | \
+        (counters[:, CounterCol.WRITE_RUNS] < expected[:, 1])
+    if not behind.any():
+        return []
+    runs = counters[:, [CounterCol.VERIFY_RUNS, CounterCol.WRITE_RUNS]]
+    short = np.flatnonzero(behind).tolist()
+    names = [LaunchTag(t).name for t in short]
+    return [HealthProblem("watchdog", (
+        f"kvcanary: kernel runs behind for tags {names}: device verify/write runs "
+        f"{runs[short].tolist()} < launched {expected[short].tolist()}; a canary launch was skipped"))]
+
+
+def _phase(phase: np.ndarray, forwards: int) -> list[HealthProblem]:
+    p0, p1 = int(phase[0]), int(phase[1])
+    if (p0, p1) == (forwards, forwards):
+        return []
+    return [HealthProblem("phase", (
+        f"kvcanary: phase check failed: pre={p0} post={p1} device brackets, {forwards} "
+        f"forwards on the host; a forward (or a replayed graph) ran without the canary ops"))]

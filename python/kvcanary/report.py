@@ -278,10 +278,11 @@ class Metrics:
         """Account one window."""
         for tag, n in report.by_tag.items():
             self.violations_by_tag[tag.name] += n
-        self.rows_by_reason.update(report.by_reason())
+        if report.violations:
+            self.rows_by_reason.update(report.by_reason())
         self.counters["dropped_rows"] += report.dropped
         if report.counter_delta is not None:
-            sums = report.counter_delta.sum(0).tolist()
+            sums = report.counter_delta.numpy().sum(0).tolist()
             self.counters["input_errors"] += sums[CounterCol.INPUT_ERRORS]
             self.counters["entries_checked"] += sums[CounterCol.ENTRIES_CHECKED]
             self.counters["entries_written"] += sums[CounterCol.ENTRIES_WRITTEN]

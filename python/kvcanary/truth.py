@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
-from kvcanary_schema import CHAIN_BASE, TOKEN_LIMIT
+from kvcanary_schema import CHAIN_BASE, CHAIN_SEED, SPLITMIX_MUL1, SPLITMIX_MUL2, TOKEN_LIMIT
 
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
@@ -120,3 +122,176 @@ def chain_truth(hasher: ChainHasher, key: Hashable, history: Sequence[int], pref
     if extend_len > 0 and known >= want_new and at_pre:
         en = H.to_i64(hasher.extend(key, history[want_pre:want_new], want_pre))
     return ep, en
+
+
+_U64 = np.uint64
+
+
+_SEED, _MUL1, _MUL2, _BASE = (np.uint64(v) for v in (CHAIN_SEED, SPLITMIX_MUL1, SPLITMIX_MUL2, CHAIN_BASE))
+_S27, _S30, _S31, _S32 = (np.uint64(v) for v in (27, 30, 31, 32))
+
+
+def chain_g_np(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """g(t, p) on int64 numpy arrays, as uint64 (callers check the range: 0 <= t, p < TOKEN_LIMIT)."""
+    x = (positions.view(_U64) << _S32) | tokens.view(_U64)
+    x ^= _SEED
+    x ^= x >> _S30
+    x *= _MUL1
+    x ^= x >> _S27
+    x *= _MUL2
+    x ^= x >> _S31
+    return x
+
+
+class _Powers:
+    """CHAIN_BASE^k mod 2^64 as uint64, k = 0..n-1, grown on demand."""
+
+    def __init__(self) -> None:
+        self.table = np.ones(1, dtype=_U64)
+
+    def upto(self, n: int) -> np.ndarray:
+        while self.table.shape[0] < n:
+            k = self.table.shape[0]
+            self.table = np.concatenate([self.table, self.table * _U64(pow(CHAIN_BASE, k, 1 << 64))])
+        return self.table
+
+
+@dataclass
+class BatchTruth:
+    """Expected chain values (int64 bit-cast) of one forward's requests and which of them are known."""
+
+    expect_prefix: np.ndarray  # int64 [bs]
+    expect_new: np.ndarray  # int64 [bs]
+    prefix_known: np.ndarray  # bool [bs]
+    new_known: np.ndarray  # bool [bs]
+
+
+class RowChains:
+    """Token truth in bulk: per slot-table row, its request, the chain value of that request's true history and the
+    true tokens consumed (numpy arrays). A forward whose requests continue where their rows left off is hashed with
+    a few vectorized numpy ops (no Python step per request); other requests (new, moved, rewound) catch up one by one
+    through :func:`chain_truth`, which stays the oracle."""
+
+    def __init__(self, rows: int, offset: int = 0, step: Callable[..., int] | None = None) -> None:
+        """State for ``rows`` slot-table rows; ``offset`` as in :class:`ChainHasher`; ``step``: the native
+        ``hash_chain_step(h, tokens, positions, out) -> errors`` of the C++ backend (None: numpy)."""
+        self.offset = offset
+        self.step = step
+        self.h = np.full(rows, H.CHAIN_H0, dtype=_U64)
+        self.n = np.zeros(rows, dtype=np.int64)
+        self.owner = np.full(rows, None, dtype=object)
+        self._row: dict[Hashable, int] = {}
+        self._pw = _Powers()
+
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key``'s row state (finished or retracted request); unknown keys are ignored."""
+        row = self._row.pop(key, None)
+        if row is not None and self.owner[row] == key:
+            self.owner[row] = None
+
+    def forward(self, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
+                new_tokens: np.ndarray | None, histories: Sequence[Sequence[int]] | None) -> BatchTruth:
+        """Expected chains of one forward and the state advanced past its new tokens.
+
+        ``rows``/``pre``/``ext`` int64 [bs], ``keys`` object [bs], ``live`` bool [bs] (False: padding, untouched);
+        ``new_tokens`` int64 [num_tokens], flat like input_ids: the true token of each new position p (the
+        history's token at p + offset), negative where unknown; ``histories`` the true histories (for catch-up).
+        """
+        bs = rows.shape[0]
+        fast = live & (self.owner[rows] == keys) & (self.n[rows] == pre + self.offset)
+        if new_tokens is not None and fast.all() and (ext == 1).all():
+            return self._decode(rows, pre, new_tokens[:bs])
+        out = BatchTruth(np.zeros(bs, np.int64), np.zeros(bs, np.int64), np.zeros(bs, bool), np.zeros(bs, bool))
+        if new_tokens is not None:
+            self._fast(np.flatnonzero(fast), rows, pre, ext, new_tokens, out)
+        else:
+            fast[:] = False
+        for i in np.flatnonzero(live & ~fast).tolist():
+            self._catch_up(i, int(rows[i]), keys[i], int(pre[i]), int(ext[i]),
+                           None if histories is None else histories[i], out)
+        return out
+
+    def _decode(self, rows: np.ndarray, pre: np.ndarray, tok: np.ndarray) -> BatchTruth:
+        """The common decode forward: every request continues with one new token (no index gathers)."""
+        h = self.h[rows]
+        h_end, known = self._fold_one(h, tok, pre)
+        self.h[rows] = np.where(known, h_end, h)
+        self.n[rows] = pre + self.offset + known
+        has_prefix = pre > 0
+        return BatchTruth(np.where(has_prefix, h.view(np.int64), 0), np.where(known, h_end.view(np.int64), 0),
+                          has_prefix, known)
+
+    def _fast(self, idx: np.ndarray, rows: np.ndarray, pre: np.ndarray, ext: np.ndarray, new_tokens: np.ndarray,
+              out: BatchTruth) -> None:
+        """Requests continuing at their prefix end: one segmented fold over their new tokens."""
+        if idx.size == 0:
+            return
+        r, p, e = rows[idx], pre[idx], ext[idx]
+        h = self.h[r]
+        out.expect_prefix[idx] = np.where(p > 0, h.view(np.int64), 0)  # no prefix: nothing to expect
+        out.prefix_known[idx] = p > 0
+        begin = (np.cumsum(ext) - ext)[idx]
+        if (e == 1).all():  # decode: one new token each
+            h_end, known = self._fold_one(h, new_tokens[begin], p)
+        else:
+            h_end, known = self._fold_segments(h, begin, p, e, new_tokens)
+        k = idx[known]
+        out.expect_new[k] = h_end[known].view(np.int64)
+        out.new_known[k] = True
+        self.h[r[known]] = h_end[known]
+        self.n[r[known]] = (p + e + self.offset)[known]
+
+    def _fold_one(self, h: np.ndarray, tok: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(h * B + g(t, p), known) for one token per request (one native call when the C++ backend is loaded)."""
+        known = tok >= 0
+        if self.step is None:
+            self._check(tok, pos)
+            return h * _BASE + chain_g_np(np.maximum(tok, 0), pos), known
+        out = np.empty_like(h)
+        errors = self.step(h.view(np.int64), np.ascontiguousarray(tok), np.ascontiguousarray(pos), out.view(np.int64))
+        if errors > tok.size - int(known.sum()):  # more than the unknown tokens: a value out of range
+            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
+        return out, known
+
+    def _fold_segments(self, h: np.ndarray, begin: np.ndarray, pre: np.ndarray, ext: np.ndarray,
+                       new_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(h * B^e + sum_j g_j B^(e-1-j), known) over each request's e new tokens (h_n of the chain)."""
+        seg = np.repeat(np.arange(ext.size), ext)
+        j = np.arange(seg.size) - np.repeat(np.cumsum(ext) - ext, ext)
+        tok = new_tokens[begin[seg] + j]
+        pos = pre[seg] + j
+        self._check(tok, pos)
+        unknown = np.zeros(ext.size, bool)
+        np.logical_or.at(unknown, seg, tok < 0)
+        pw = self._pw.upto(int(ext.max(initial=0)) + 1)
+        sums = np.zeros(ext.size, _U64)
+        np.add.at(sums, seg, chain_g_np(np.maximum(tok, 0), pos) * pw[ext[seg] - 1 - j])
+        return h * pw[ext] + sums, (ext > 0) & ~unknown
+
+    def _check(self, tok: np.ndarray, pos: np.ndarray) -> None:
+        if tok.size and (int(tok.max()) >= TOKEN_LIMIT or int(pos.max()) >= TOKEN_LIMIT):
+            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
+
+    def _catch_up(self, i: int, row: int, key: Hashable, pre: int, ext: int, history: Sequence[int] | None,
+                  out: BatchTruth) -> None:
+        """One request through chain_truth, seeded with its row state when the row is still its own."""
+        if history is None:
+            return
+        scratch = ChainHasher(self.offset)
+        if self.owner[row] == key:
+            scratch._state[key] = (int(self.h[row]), int(self.n[row]))
+        ep, en = chain_truth(scratch, key, history, pre, ext, self.offset)
+        self._claim(row, key)
+        self.h[row], self.n[row] = scratch.value(key), scratch.length(key)
+        out.expect_prefix[i], out.prefix_known[i] = ep or 0, ep is not None
+        out.expect_new[i], out.new_known[i] = en or 0, en is not None
+
+    def _claim(self, row: int, key: Hashable) -> None:
+        old = self._row.get(key)
+        if old is not None and old != row and self.owner[old] == key:
+            self.owner[old] = None
+        prev = self.owner[row]
+        if prev is not None and prev != key:
+            self._row.pop(prev, None)
+        self.owner[row] = key
+        self._row[key] = row

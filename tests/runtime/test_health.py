@@ -5,30 +5,41 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import kvcanary.manager as manager_mod
+import kvcanary.program as program_mod
 import pytest
+import torch
 from kvcanary.health import CanaryHealthError
+from kvcanary.manager import CanaryManager
+from kvcanary.ops.bound import BoundOp
 from kvcanary_schema import Stage
 
 from .helpers import run, setup, step
 
 
-def _skip_tail_verify_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = manager_mod.verify
+def _skip_tail_verify_once(monkeypatch: pytest.MonkeyPatch, m: CanaryManager) -> None:
+    """The next TAIL verify the device program runs is skipped (as if a launch had been lost)."""
+    real = program_mod.bind_verify
     state = {"skipped": False}
 
-    def flaky(group: Any, stage: Stage, *a: Any, **k: Any) -> None:
-        if stage == Stage.TAIL and not state["skipped"]:
-            state["skipped"] = True
-            return
-        real(group, stage, *a, **k)
-    monkeypatch.setattr(manager_mod, "verify", flaky)
+    def flaky(group: Any, stage: Stage, *a: Any, **k: Any) -> BoundOp:
+        op = real(group, stage, *a, **k)
+        if stage != Stage.TAIL:
+            return op
+
+        def run_once_skipped(table: torch.Tensor) -> None:
+            if not state["skipped"]:
+                state["skipped"] = True
+                return
+            op(table)
+        return BoundOp(run_once_skipped, (), ())
+    monkeypatch.setattr(program_mod, "bind_verify", flaky)
+    m.program._cache.clear()  # rebind every shape with the flaky verify
 
 
 def test_watchdog_trips_when_a_launch_is_skipped_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     eng, m = setup(n_reqs=2, mode="raise")
     run(eng, m, 2)
-    _skip_tail_verify_once(monkeypatch)
+    _skip_tail_verify_once(monkeypatch, m)
     with pytest.raises(CanaryHealthError, match="TAIL_K_FULL"):
         step(eng, m)
 
@@ -36,7 +47,7 @@ def test_watchdog_trips_when_a_launch_is_skipped_raise(monkeypatch: pytest.Monke
 def test_watchdog_log_mode_warns_only(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     eng, m = setup(n_reqs=2, mode="log")
     run(eng, m, 1)
-    _skip_tail_verify_once(monkeypatch)
+    _skip_tail_verify_once(monkeypatch, m)
     with caplog.at_level(logging.WARNING, logger="kvcanary"):
         step(eng, m)
     assert [p.kind for p in m.health.problems] == ["watchdog"]

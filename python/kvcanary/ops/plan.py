@@ -7,6 +7,7 @@ from kvcanary_schema import NO_SLOT, NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, PlanCo
 
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
+from kvcanary.ops.bound import BoundOp
 from kvcanary.ops.shared import table_slots
 from kvcanary.ops.types import check_backend, check_tensor
 
@@ -62,6 +63,18 @@ def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: tor
     ``table_page`` P > 1 a block table ``[R, B]`` of block ids (slot = block * P + position % P, L = B * P);
     ``plan`` needs ``cap >= bs`` rows. Bad values inside the tensors are counted in ``status`` (never raised).
     """
+    bind_plan_forward(plan, status, req_pool_indices, prefix_lens, extend_lens, req_to_token, num_tokens,
+                      window=window, padding_row=padding_row, expect_prefix=expect_prefix, expect_new=expect_new,
+                      table_page=table_page, reuse=reuse, backend=backend)(req_to_token)
+
+
+def bind_plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: torch.Tensor,
+                      prefix_lens: torch.Tensor, extend_lens: torch.Tensor, req_to_token: torch.Tensor, num_tokens: int,
+                      *, window: int = 0, padding_row: int = -1, expect_prefix: torch.Tensor | None = None,
+                      expect_new: torch.Tensor | None = None, table_page: int = 1,
+                      reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                      backend: str = "torch") -> BoundOp:
+    """:func:`plan_forward`'s arguments checked once: a call taking the slot table (see :class:`BoundOp`)."""
     device = req_pool_indices.device if isinstance(req_pool_indices, torch.Tensor) else torch.device("cpu")
     rpi = check_tensor(req_pool_indices, "req_pool_indices", ndim=1)
     bs = rpi.shape[0]
@@ -81,15 +94,13 @@ def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: tor
     rp, rs, rl = _check_reuse(reuse, p, s, device, bs)
     b = check_backend(backend, device)
     if b == "torch":
-        _plan_forward_torch(p, s, rpi, pre, ext, table, num_tokens, window, padding_row, ep, en, table_page)
-        if rl is not None:
-            _plan_forward_torch(rp, rs, rpi, rl, torch.zeros_like(rl), table, num_tokens, 0, padding_row, None, None,
-                                table_page)
-        return
+        return BoundOp(_plan_forward_torch_with_reuse, (p, s, rpi, pre, ext),
+                       (num_tokens, window, padding_row, ep, en, table_page, rp, rs, rl))
     e = empty_i64(device)
-    _native.module(b).plan_forward(p, s, rpi, pre, ext, table, e if ep is None else ep, int(ep is not None),
-                                   e if en is None else en, int(en is not None), num_tokens, window, padding_row,
-                                   table_page, rp, rs, e if rl is None else rl, int(rl is not None))
+    return BoundOp(_native.module(b).plan_forward, (p, s, rpi, pre, ext),
+                   (e if ep is None else ep, int(ep is not None), e if en is None else en, int(en is not None),
+                    num_tokens, window, padding_row, table_page, rp, rs, e if rl is None else rl, int(rl is not None)),
+                   native=True)
 
 
 def _check_reuse(reuse: object, plan: torch.Tensor, status: torch.Tensor, device: torch.device,
@@ -204,6 +215,19 @@ def _write_segments(plan: torch.Tensor, status: torch.Tensor, ok: torch.Tensor, 
 
 def _flag(mask: torch.Tensor, bit: PlanFlag) -> torch.Tensor:
     return mask.to(torch.int64) * int(bit)
+
+
+def _plan_forward_torch_with_reuse(plan: torch.Tensor, status: torch.Tensor, rpi: torch.Tensor, pre: torch.Tensor,
+                                   ext: torch.Tensor, table: torch.Tensor, num_tokens: int, window: int,
+                                   padding_row: int, expect_prefix: torch.Tensor | None,
+                                   expect_new: torch.Tensor | None, page: int, reuse_plan: torch.Tensor,
+                                   reuse_status: torch.Tensor, reuse_lens: torch.Tensor | None) -> None:
+    """The forward plan, then (``reuse_lens`` given) the reuse plan: window 0, no new tokens, no expectations."""
+    _plan_forward_torch(plan, status, rpi, pre, ext, table, num_tokens, window, padding_row, expect_prefix, expect_new,
+                        page)
+    if reuse_lens is not None:
+        _plan_forward_torch(reuse_plan, reuse_status, rpi, reuse_lens, torch.zeros_like(reuse_lens), table, num_tokens,
+                            0, padding_row, None, None, page)
 
 
 def _plan_forward_torch(plan: torch.Tensor, status: torch.Tensor, rpi: torch.Tensor, pre: torch.Tensor,

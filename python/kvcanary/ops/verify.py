@@ -20,6 +20,7 @@ from kvcanary_schema import (
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
+from kvcanary.ops.bound import BoundOp
 from kvcanary.ops.fingerprint import check_fingerprint, fingerprint_torch
 from kvcanary.ops.plan import check_plan_buffers, check_table_page, empty_i64
 from kvcanary.ops.shared import (
@@ -52,6 +53,14 @@ def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Ten
     ``[1, N]``), or with ``table_page`` > 1 a block table (see :func:`kvcanary.ops.plan.plan_forward`). HEAD stages
     take no fingerprint. Bad values inside tensors are counted as INPUT_ERROR rows.
     """
+    bind_verify(group, stage, plan, status, table, sink, token_pool=token_pool, fingerprint=fingerprint,
+                table_page=table_page, backend=backend)(table)
+
+
+def bind_verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
+                sink: Sink, *, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
+                table_page: int = 1, backend: str = "torch") -> BoundOp:
+    """:func:`verify`'s arguments checked once: a call taking the slot table (see :class:`BoundOp`)."""
     if not isinstance(group, GroupView):
         raise CanaryInputError(f"group must be a GroupView, got {type(group).__name__}")
     if not isinstance(stage, Stage):
@@ -72,18 +81,17 @@ def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Ten
     share = fingerprint.share if fingerprint is not None and stage == Stage.TAIL else 1  # sweeps check every entry
     b = check_backend(backend, device)
     if b == "torch":
-        _verify_torch(group, tags, p, s, tbl, page, sink, token_pool, fingerprint, share)
-        return
+        return BoundOp(_verify_torch, (group, tags, p, s), (page, sink, token_pool, fingerprint, share))
     e = empty_i64(device)
-    _native.module(b).verify(
+    return BoundOp(_native.module(b).verify, (
         group.records, e if group.swa_map is None else group.swa_map, int(group.swa_map is not None),
-        group.reserved_slots, tags[0], tags[1] if len(tags) > 1 else -1,
-        p, s, tbl, sink.rows, sink.count, sink.counters, sink.step,
+        group.reserved_slots, tags[0], tags[1] if len(tags) > 1 else -1, p, s), (
+        sink.rows, sink.count, sink.counters, sink.step,
         e if token_pool is None else token_pool.tokens, e if token_pool is None else token_pool.lens,
         int(token_pool is not None), 0 if token_pool is None else token_pool.offset,
         e if fingerprint is None else fingerprint.sources.table,
         int(FingerprintMode.NONE) if fingerprint is None else int(fingerprint.mode),
-        1 if fingerprint is None else fingerprint.layer_stride, page, share)
+        1 if fingerprint is None else fingerprint.layer_stride, page, share), native=True)
 
 
 # ---- torch reference -------------------------------------------------------------------------------------------

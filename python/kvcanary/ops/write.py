@@ -22,6 +22,7 @@ from kvcanary_schema import (
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
+from kvcanary.ops.bound import BoundOp
 from kvcanary.ops.fingerprint import check_fingerprint, fingerprint_torch
 from kvcanary.ops.plan import check_plan_buffers, check_table_page, empty_i64
 from kvcanary.ops.shared import append_rows, record_link, resolve_slots, table_slots, violation_rows
@@ -45,6 +46,15 @@ def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tens
     :func:`kvcanary.ops.plan.plan_forward`). A HEAD write takes a fingerprint only when it runs after the forward (the
     seal). Bad values inside tensors become counted INPUT_ERROR rows in ``sink``.
     """
+    bind_write(group, stage, plan, status, table, input_ids, positions, out_cache_loc, sink, checks=checks,
+               token_pool=token_pool, fingerprint=fingerprint, table_page=table_page, backend=backend)(table)
+
+
+def bind_write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
+               input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, sink: Sink, *,
+               checks: int = 0, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
+               table_page: int = 1, backend: str = "torch") -> BoundOp:
+    """:func:`write`'s arguments checked once: a call taking the slot table (see :class:`BoundOp`)."""
     if not isinstance(group, GroupView):
         raise CanaryInputError(f"group must be a GroupView, got {type(group).__name__}")
     if stage not in (Stage.HEAD, Stage.TAIL):
@@ -69,18 +79,17 @@ def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tens
     tags = group.tags(stage)
     b = check_backend(backend, device)
     if b == "torch":
-        _write_torch(group, tags, p, s, tbl, page, ids, pos, loc, sink, checks, token_pool, fingerprint)
-        return
+        return BoundOp(_write_torch, (group, tags, p, s), (page, ids, pos, loc, sink, checks, token_pool, fingerprint))
     e = empty_i64(device)
-    _native.module(b).write(
+    return BoundOp(_native.module(b).write, (
         group.records, e if group.swa_map is None else group.swa_map, int(group.swa_map is not None),
-        group.reserved_slots, tags[0], tags[1] if len(tags) > 1 else -1,
-        p, s, tbl, ids, pos, loc, sink.rows, sink.count, sink.counters, sink.step, checks,
+        group.reserved_slots, tags[0], tags[1] if len(tags) > 1 else -1, p, s), (
+        ids, pos, loc, sink.rows, sink.count, sink.counters, sink.step, checks,
         e if token_pool is None else token_pool.tokens, e if token_pool is None else token_pool.lens,
         int(token_pool is not None), 0 if token_pool is None else token_pool.offset,
         e if fingerprint is None else fingerprint.sources.table,
         int(FingerprintMode.NONE) if fingerprint is None else int(fingerprint.mode),
-        1 if fingerprint is None else fingerprint.layer_stride, page)
+        1 if fingerprint is None else fingerprint.layer_stride, page), native=True)
 
 
 # ---- torch reference -------------------------------------------------------------------------------------------

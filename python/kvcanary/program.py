@@ -1,0 +1,170 @@
+"""The per-forward device program: every op of pre_forward / post_forward bound once per batch shape (bs, tokens)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from kvcanary_schema import NUM_LAUNCH_TAGS, Half, LaunchTag, PlanCol, Stage, TokenTruth, WriteCheck
+
+from kvcanary.adapter import PoolDescription
+from kvcanary.config import CanaryConfig
+from kvcanary.ops.plan import bind_plan_forward
+from kvcanary.ops.verify import bind_verify
+from kvcanary.ops.write import bind_write
+from kvcanary.state import CanaryState, GroupState
+
+Op = Callable[[torch.Tensor], None]  # one step of a stage: takes the forward's slot table
+Shape = tuple[int, int]  # (batch size, new tokens)
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The ops of one batch shape: ``pre[reuse][mask]`` and ``post[reuse]`` (reuse: the reuse check runs; mask:
+    EXPECT_* flags are masked per request)."""
+
+    pre: tuple[tuple[tuple[Op, ...], tuple[Op, ...]], tuple[tuple[Op, ...], tuple[Op, ...]]]
+    post: tuple[tuple[Op, ...], tuple[Op, ...]]
+
+
+def _tick(t: torch.Tensor) -> Op:
+    def run(_: torch.Tensor) -> None:
+        t.add_(1)
+    return run
+
+
+def _running_max(acc: torch.Tensor, status: torch.Tensor) -> Op:
+    def run(_: torch.Tensor) -> None:
+        torch.maximum(acc, status, out=acc)
+    return run
+
+
+def _expect_mask(st: CanaryState, plan: torch.Tensor, capacity: int) -> Op:
+    """Drop the EXPECT_* flags of segments whose request's truth is unknown (per-request flag mask)."""
+    def run(_: torch.Tensor) -> None:
+        torch.clamp(plan[:, PlanCol.BATCH_INDEX], 0, capacity - 1, out=st.seg_index)
+        torch.index_select(st.flag_mask, 0, st.seg_index, out=st.seg_mask)
+        plan[:, PlanCol.FLAGS].bitwise_and_(st.seg_mask)
+    return run
+
+
+class DeviceProgram:
+    """Binds (validates once) and runs the device parts of the bracket; shapes cached in a bounded LRU, captured
+    shapes pinned."""
+
+    def __init__(self, state: CanaryState, pool: PoolDescription, config: CanaryConfig, backend: str,
+                 capacity: int = 16) -> None:
+        self.state, self.pool, self.config, self.backend = state, pool, config, backend
+        self.capacity = capacity
+        self.pinned: set[Shape] = set()
+        self._cache: OrderedDict[Shape, Stages] = OrderedDict()
+        self._checks = (int(WriteCheck.CHAIN_POSITION) if config.chain_position_assert else 0) | \
+            (int(WriteCheck.INPUTS) if config.input_asserts else 0)
+        # the structural check is a table-space property of the batch: once per forward (HEAD, first group)
+        self._structural = int(WriteCheck.STRUCTURAL) if config.structural_check else 0
+        self.has_reuse = any(g.reuse_plan is not None for g in state.groups)
+
+    def stages(self, shape: Shape, table: torch.Tensor) -> Stages:
+        """The bound ops of ``shape`` (bound now on a miss, with ``table`` standing for the forward's tables)."""
+        got = self._cache.get(shape)
+        if got is None:
+            got = self._cache[shape] = self._bind(shape, table)
+            self._evict()
+        else:
+            self._cache.move_to_end(shape)
+        return got
+
+    def _evict(self) -> None:
+        for shape in list(self._cache):
+            if len(self._cache) <= self.capacity + len(self.pinned):
+                return
+            if shape not in self.pinned:
+                del self._cache[shape]
+
+    def _bind(self, shape: Shape, table: torch.Tensor) -> Stages:
+        st = self.state
+        per_group = [self._group_ops(g, gi, shape, table) for gi, g in enumerate(st.groups)]
+
+        def pre(reuse: bool, mask: bool) -> tuple[Op, ...]:
+            ops: list[Op] = [_tick(st.pre_tick)]
+            for g in per_group:
+                ops += (g["plan_reuse"] if reuse else g["plan"]) + (g["mask"] if mask else []) + g["head"]
+            return tuple(ops)
+
+        def post(reuse: bool) -> tuple[Op, ...]:
+            ops: list[Op] = []
+            for g in per_group:
+                ops += g["seal"] + (g["reuse_verify"] if reuse else []) + g["tail"]
+            return (*ops, _tick(st.post_tick))
+
+        return Stages(((pre(False, False), pre(False, True)), (pre(True, False), pre(True, True))),
+                      (post(False), post(True)))
+
+    def _group_ops(self, g: GroupState, gi: int, shape: Shape, table: torch.Tensor) -> dict[str, list[Op]]:
+        """The ops of one group, by role (frozen native calls)."""
+        st, cfg, (bs, nt) = self.state, self.config, shape
+        page, pad, b = self.pool.table_page, self.pool.padding_row, self.backend
+        chain = cfg.token_truth == TokenTruth.CHAIN
+        rpi, zeros = st.req_pool_indices[:bs], st.zeros[:bs]
+
+        def plan(p: torch.Tensor, s: torch.Tensor, pre: torch.Tensor, ext: torch.Tensor, window: int,
+                 truth: bool = False, reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Op:
+            return bind_plan_forward(p, s, rpi, pre, ext, table, nt, window=window, padding_row=pad,
+                                     expect_prefix=st.expect_prefix[:bs] if truth else None,
+                                     expect_new=st.expect_new[:bs] if truth else None, table_page=page,
+                                     reuse=reuse, backend=b).frozen()
+
+        def verifies(stage: Stage) -> list[Op]:
+            fp = g.fingerprint if stage == Stage.TAIL else None
+            plans = [(g.plan, g.status)] + ([(g.stripe_plan, g.stripe_status)] if g.stripe_plan is not None and
+                                            g.stripe_status is not None else [])
+            return [bind_verify(g.views(stage), stage, p, s, table, st.sink, token_pool=st.token_pool,
+                                fingerprint=fp, table_page=page, backend=b).frozen() for p, s in plans]
+
+        def write(stage: Stage) -> Op:
+            checks = self._checks | (self._structural if stage == Stage.HEAD and gi == 0 else 0)
+            return bind_write(g.views(stage), stage, g.plan, g.status, table, st.input_ids[:nt], st.positions[:nt],
+                              st.out_cache_loc[:nt], st.sink, checks=checks, token_pool=st.token_pool,
+                              fingerprint=g.fingerprint if stage == Stage.TAIL else g.seal, table_page=page,
+                              backend=b).frozen()
+
+        window = g.window if g.stripe_plan is None else cfg.window_links
+        ops: dict[str, list[Op]] = {
+            "plan": [plan(g.plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain)],
+            "mask": [_expect_mask(st, g.plan, cfg.req_capacity)] if chain else [],
+            "reuse_verify": [], "seal": [write(Stage.HEAD)] if g.seal is not None else [],
+            "tail": [*verifies(Stage.TAIL), write(Stage.TAIL)]}
+        ops["plan_reuse"] = list(ops["plan"])
+        if g.reuse_plan is not None and g.reuse_status is not None:  # [0, reuse_end): the whole reused prefix, planned
+            # in the main plan's launch
+            ops["plan_reuse"] = [plan(g.plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain,
+                                      (g.reuse_plan, g.reuse_status, st.reuse_end[:bs]))]
+            ops["reuse_verify"] = [bind_verify(g.head, Stage.TAIL, g.reuse_plan, g.reuse_status, table, st.sink,
+                                               fingerprint=g.seal, table_page=page, backend=b).frozen()]
+        if g.stripe_plan is not None and g.stripe_status is not None:
+            stripe = plan(g.stripe_plan, g.stripe_status, st.stripe_end[:bs], zeros, cfg.stripe_size)
+            ops["plan"].append(stripe)
+            ops["plan_reuse"].append(stripe)
+        ops["head"] = [*verifies(Stage.HEAD), *([write(Stage.HEAD)] if g.seal is None else []),
+                       _running_max(st.window_status[gi], g.status)]
+        return ops
+
+    def launches(self, reuse: bool) -> torch.Tensor:
+        """[NUM_LAUNCH_TAGS, 2]: (verify, write) launches one forward makes per tag (with or without the reuse
+        check)."""
+        out = torch.zeros(NUM_LAUNCH_TAGS, 2, dtype=torch.int64)
+        for g in self.state.groups:
+            verifies = 2 if g.stripe_plan is not None else 1
+            for stage in (Stage.HEAD, Stage.TAIL):
+                extra = int(reuse and stage == Stage.TAIL and g.reuse_plan is not None)
+                for h in range(g.spec.halves):
+                    out[int(LaunchTag.of(stage, Half(h), g.spec.group))] += torch.tensor([verifies + extra, 1])
+        return out
+
+
+def run(ops: Sequence[Op], table: torch.Tensor) -> None:
+    """Run one stage's ops on the forward's slot table."""
+    for op in ops:
+        op(table)

@@ -1,0 +1,216 @@
+"""Report staging: snapshot a window's device counters and ring, bring them to the host, decode, check, dispatch."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from kvcanary_schema import (
+    NUM_COUNTER_COLS,
+    NUM_LAUNCH_TAGS,
+    NUM_PLAN_STATUS_COLS,
+    NUM_VIOLATION_COLS,
+    CounterCol,
+    FailReason,
+    LaunchTag,
+)
+
+from kvcanary.config import CanaryConfig, CanaryMode
+from kvcanary.errors import KVCanaryInternalError
+from kvcanary.health import CanaryHealthError, Health, HealthProblem
+from kvcanary.report import CanaryViolationError, Metrics, ReportSink, StepBatch, Violation, WindowReport, decode_rows
+from kvcanary.state import CanaryState
+from kvcanary.sweep import SweepSlice
+
+logger = logging.getLogger("kvcanary")
+
+_SNAP_COUNTERS = NUM_LAUNCH_TAGS * NUM_COUNTER_COLS
+
+
+@dataclass
+class _Pending:
+    """A staged window whose snapshot is in flight to the host."""
+
+    index: int
+    first_step: int
+    last_step: int
+    expected: np.ndarray
+    expected_forwards: int
+    sweeps: int
+
+
+@dataclass
+class Snapshot:
+    """One staged window as host views (layout: CanaryState.arena without the step)."""
+
+    phase: np.ndarray  # [2]
+    counters: np.ndarray  # [NUM_LAUNCH_TAGS, NUM_COUNTER_COLS]
+    ring_total: int
+    plan_status: np.ndarray  # [groups, NUM_PLAN_STATUS_COLS]
+    rows: np.ndarray  # [ring capacity, NUM_VIOLATION_COLS]
+
+    @classmethod
+    def of(cls, snap: np.ndarray, groups: int) -> Snapshot:
+        """Views into a host snapshot (no copies)."""
+        o = 2 + _SNAP_COUNTERS
+        w = o + 1 + groups * NUM_PLAN_STATUS_COLS
+        return cls(snap[0:2], snap[2:o].reshape(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS), int(snap[o]),
+                   snap[o + 1:w].reshape(groups, NUM_PLAN_STATUS_COLS), snap[w:].reshape(-1, NUM_VIOLATION_COLS))
+
+
+class Reporter:
+    """Stages reporting windows (double-buffered snapshots; CUDA: copied out on a side stream) and turns collected
+    ones into WindowReports for the sinks, the metrics and the health checks."""
+
+    def __init__(self, state: CanaryState, config: CanaryConfig, health: Health, metrics: Metrics,
+                 sinks: list[ReportSink], page_size: int) -> None:
+        self.state, self.config, self.health, self.metrics, self.sinks = state, config, health, metrics, sinks
+        self.page_size = page_size
+        self.reports: deque[WindowReport] = deque(maxlen=64)
+        self.step_batches: dict[int, StepBatch] = {}
+        self.sweep_slices: dict[int, SweepSlice] = {}  # step -> what its sweep verified (names the chains)
+        self.window_first = 1
+        self.sweeps_staged = 0
+        self.violations_total = 0
+        self.pending: deque[_Pending] = deque()
+        self._next = 0
+        self._last_counters = np.zeros((NUM_LAUNCH_TAGS, NUM_COUNTER_COLS), dtype=np.int64)
+        d = state.device
+        size = state.snapshot.numel()
+        self._dev = [torch.zeros(size, dtype=torch.int64, device=d) for _ in range(2)]
+        self._host = [torch.zeros(size, dtype=torch.int64, pin_memory=True) if d.type == "cuda" else self._dev[i]
+                      for i in range(2)]
+        self._host_np = [h.numpy() for h in self._host]
+        self._events: list[Any] = [None, None]
+        # the owner's bookkeeping of a collected window (sweeps completed, metrics, stats line): (report, snapshot,
+        # sweeps staged in the window)
+        self.on_report: Callable[[WindowReport, Snapshot, int], None] | None = None
+
+    def has_open_window(self, forwards: int) -> bool:
+        """Whether forwards or sweeps since the last staging are waiting to be staged."""
+        return self.window_first <= forwards or bool(self.sweeps_staged)
+
+    def stage(self, forwards: int) -> None:
+        """Snapshot counters, ring and plan status of the window on the main stream, reset the ring; copy out."""
+        st = self.state
+        k = self._next
+        self._next ^= 1
+        if self._events[k] is not None:  # the buffer's previous window must have been collected
+            self.collect(block=True)
+        self._dev[k].copy_(st.snapshot)
+        st.reset_span.zero_()
+        self._events[k] = self._copy_out(k)
+        self.pending.append(_Pending(k, self.window_first, forwards, self.health.expected.copy(),
+                                     self.health.expected_forwards, self.sweeps_staged))
+        self.sweeps_staged = 0
+        self.window_first = forwards + 1
+
+    def _copy_out(self, k: int) -> Any:
+        """CUDA: the snapshot to pinned host memory on the side stream, and its event; CPU: True (already there)."""
+        st = self.state
+        if st.device.type != "cuda":
+            return True
+        if st.stream is None:
+            raise KVCanaryInternalError("stream is unset: an invariant of the bracket was broken")
+        st.stream.wait_stream(torch.cuda.current_stream(st.device))
+        with torch.cuda.stream(st.stream):
+            self._host[k].copy_(self._dev[k], non_blocking=True)
+            e = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            e.record(st.stream)
+        return e
+
+    def collect(self, block: bool) -> WindowReport | None:
+        """Reports of every staged window whose snapshot arrived (all of them when ``block``); the last or None."""
+        last = None
+        while self.pending:
+            p = self.pending[0]
+            ev = self._events[p.index]
+            if isinstance(ev, torch.cuda.Event):
+                if not block and not ev.query():  # type: ignore[no-untyped-call]
+                    break
+                ev.synchronize()
+            self.pending.popleft()
+            self._events[p.index] = None
+            last = self._report(p)
+        return last
+
+    def _report(self, p: _Pending) -> WindowReport:
+        cfg = self.config
+        snap = Snapshot.of(self._host_np[p.index], len(self.state.groups))
+        delta = snap.counters - self._last_counters
+        self._last_counters = snap.counters.copy()
+        viol = delta[:, CounterCol.VIOLATIONS]
+        by_tag = {LaunchTag(t): int(viol[t]) for t in np.flatnonzero(viol).tolist()}
+        total = int(viol.sum())
+        self.violations_total += total
+        kept_n = min(snap.ring_total, cfg.ring_capacity)
+        rows = decode_rows(torch.from_numpy(snap.rows[:kept_n].copy()), self.step_batches, self.sweep_slices) \
+            if kept_n else []
+        report = WindowReport(p.first_step, p.last_step, rows, total, snap.ring_total,
+                              max(0, snap.ring_total - cfg.ring_capacity), by_tag, torch.from_numpy(delta),
+                              self._quarantine(rows) if rows else (), self.page_size)
+        self._forget(p.first_step, p.last_step)
+        problems = self.health.check(snap.counters, snap.phase, snap.plan_status, report.dropped, cfg.ring_capacity,
+                                     p.expected, p.expected_forwards)
+        if self.on_report is not None:
+            self.on_report(report, snap, p.sweeps)
+        self.reports.append(report)
+        self._dispatch(report, problems)
+        return report
+
+    def _forget(self, first: int, last: int) -> None:
+        """Drop the attribution data of steps up to ``last`` (reported)."""
+        for s in range(first, last + 1):
+            self.step_batches.pop(s, None)
+        if self.sweep_slices:
+            for s in [s for s in self.sweep_slices if s <= last]:
+                del self.sweep_slices[s]
+
+    def prune(self) -> None:
+        """Drop step batches older than two reporting windows (forwards whose rows can no longer come back)."""
+        horizon = self.window_first - 2 * self.config.report_interval
+        for s in [s for s in self.step_batches if s < horizon]:
+            del self.step_batches[s]
+
+    def _quarantine(self, rows: Sequence[Violation]) -> tuple[int, ...]:
+        """Table-space slots whose KV or record a kept row found bad (INPUT_ERROR rows name no real slot)."""
+        bad: set[int] = set()
+        swa_maps: dict[int, torch.Tensor] = {}  # one host copy per SWA group, not one per row
+        for v in rows:
+            if int(v.reasons) & ~int(FailReason.INPUT_ERROR) == 0:
+                continue
+            g = next((g for g in self.state.groups if g.spec.group == v.tag.group), None)
+            if g is None or v.slot < g.spec.reserved_slots:
+                continue
+            if g.spec.swa_map is None:
+                bad.add(v.slot)
+            else:  # SWA rows name the SWA slot: the table slots mapped to it
+                host = swa_maps.setdefault(int(g.spec.group), g.spec.swa_map.cpu())
+                bad.update(int(t) for t in torch.nonzero(host == v.slot).flatten().tolist())
+        return tuple(sorted(bad))
+
+    def _dispatch(self, report: WindowReport, problems: list[HealthProblem]) -> None:
+        raising = self.config.mode == CanaryMode.RAISE
+        for sink in self.sinks:
+            if report.total == 0 and sink is not self.metrics:
+                continue
+            try:
+                sink(report)
+            except Exception:  # a broken sink must not take the engine down in LOG mode
+                if raising:
+                    raise
+                logger.exception("kvcanary: report sink %r failed", sink)
+        for pr in problems:
+            logger.warning(pr.message)
+        if not raising:
+            return
+        if report.total:
+            raise CanaryViolationError(report)
+        hard = [pr for pr in problems if pr.kind in ("watchdog", "phase")]
+        if hard:
+            raise CanaryHealthError("; ".join(pr.message for pr in hard))

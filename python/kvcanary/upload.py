@@ -1,0 +1,204 @@
+"""The host half of begin_forward: batch facts and token truth into the static device buffers, in bulk."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, cast
+
+import numpy as np
+import torch
+from kvcanary_schema import PlanFlag, TokenTruth
+
+from kvcanary import _native
+from kvcanary.adapter import BatchView, PoolDescription
+from kvcanary.config import CanaryConfig, CoveragePolicy
+from kvcanary.errors import KVCanaryInternalError
+from kvcanary.health import Health
+from kvcanary.ops.scatter_tokens import scatter_tokens
+from kvcanary.state import CanaryState
+from kvcanary.stripes import Stripes
+from kvcanary.truth import BatchTruth, RowChains
+
+KEEP_ALL = -1  # flag mask keeping every PlanFlag bit
+NO_PREFIX = ~int(PlanFlag.EXPECT_PREFIX)
+NO_NEW = ~int(PlanFlag.EXPECT_NEW)
+
+
+def host_i64(values: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    """A host int64 numpy array of batch facts given as a list, an array or a CPU tensor (no copy when possible)."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.int64).numpy()
+    return np.asarray(values, dtype=np.int64)
+
+
+def request_keys(ids: Sequence[Hashable | None]) -> np.ndarray:
+    """The request ids as a 1-D object array (tuple ids stay whole)."""
+    return np.fromiter(ids, dtype=object, count=len(ids))
+
+
+class Upload:
+    """Per forward: the batch copied into the static buffers, and per request the expected chains, EXPECT_* flag
+    mask, stripe end and reuse end staged in pinned host rows and copied to the device in one copy."""
+
+    def __init__(self, state: CanaryState, pool: PoolDescription, config: CanaryConfig, health: Health,
+                 backend: str) -> None:
+        """Staging for ``state``; ``health.coverage`` observes every request's verified slots."""
+        self.state, self.pool, self.config, self.backend = state, pool, config, backend
+        self.health = health
+        self._step = _native_step(backend)
+        self.chains = RowChains(pool.req_rows, pool.token_offset, self._step)
+        self.stripes = Stripes(config.stripe_size, config.window_links) \
+            if config.coverage == CoveragePolicy.WINDOW else None
+        self.last_seen: dict[Hashable, int] = {}
+        self.pool_rows: dict[Hashable, tuple[int, int]] = {}  # POOL truth: request -> (row, tokens uploaded)
+        self._host = [u.numpy() for u in state.upload]
+        self._index = 0
+        self._events: list[Any] = [None, None]
+        self._views: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = {}
+        self.mask_needed = True
+        self.any_new = True
+
+    def copy_batch(self, batch: BatchView) -> None:
+        """The batch tensors into the static buffers (one foreach copy)."""
+        dst, _, _ = self._slices(batch.batch_size, batch.num_tokens)
+        torch._foreach_copy_(dst, [batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids,
+                                   batch.positions, batch.out_cache_loc], non_blocking=True)
+
+    def _slices(self, bs: int, nt: int) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+        """The static buffers' views of one batch shape (batch tensors, truth rows, host staging rows), cached."""
+        got = self._views.get((bs, nt))
+        if got is None:
+            st = self.state
+            if len(self._views) > 64:
+                self._views.clear()
+            got = self._views[(bs, nt)] = (
+                [st.req_pool_indices[:bs], st.prefix_lens[:bs], st.extend_lens[:bs], st.input_ids[:nt],
+                 st.positions[:nt], st.out_cache_loc[:nt]], st.truth_rows[:, :bs], [u[:, :bs] for u in st.upload])
+        return got
+
+    def upload(self, batch: BatchView, step: int, capture: bool) -> None:
+        """Token truth, stripe ends and reuse ends of ``batch`` (forward ``step``) into ``state.truth_rows``."""
+        bs = batch.batch_size
+        rows, pre, ext = (host_i64(v) for v in (batch.req_pool_indices_host, batch.prefix_lens_host,
+                                                 batch.extend_lens_host))
+        keys = request_keys(batch.request_ids)
+        live = np.not_equal(keys, None) & (rows != self.pool.padding_row)  # type: ignore[call-overload]
+        k = self._index
+        self._index ^= 1
+        if self._events[k] is not None:
+            self._events[k].synchronize()
+        out = self._host[k][:, :bs]
+        out[3:] = 0  # stripe and reuse ends; _truth writes rows 0-2
+        self._seen(keys, live, pre, step, capture, out[4])
+        if self.stripes is not None:
+            self._stripe_ends(keys, live, pre, capture, out[3])
+        self._truth(batch, rows, keys, live, pre, ext, out)
+        self.mask_needed = bool((out[2] != KEEP_ALL).any())
+        _, dev, host = self._slices(bs, batch.num_tokens)
+        dev.copy_(host[k], non_blocking=True)
+        if self.state.device.type == "cuda":
+            e = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            e.record()
+            self._events[k] = e
+
+    def _seen(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, step: int, capture: bool,
+              reuse_end: np.ndarray) -> None:
+        """Last-seen steps; a request's first forward verifies its whole reused prefix (reuse end = prefix)."""
+        every = bool(live.all())
+        ids = keys.tolist() if every else keys[live].tolist()
+        new = set(ids).difference(self.last_seen)
+        self.any_new = bool(new) and not capture
+        if self.any_new:
+            is_new = live & np.fromiter((k in new for k in keys), dtype=bool, count=keys.shape[0])
+            reuse_end[is_new] = pre[is_new]
+        self.last_seen.update(dict.fromkeys(ids, step))
+        if self.stripes is None and not capture:
+            self.health.coverage.observe_all(ids, (pre if every else pre[live]).tolist())
+
+    def _stripe_ends(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, capture: bool,
+                     out: np.ndarray) -> None:
+        if self.stripes is None:
+            raise KVCanaryInternalError("stripes are unset: an invariant of the upload was broken")
+        cov = None if capture else self.health.coverage
+        for i in np.flatnonzero(live).tolist():
+            out[i] = self.stripes.end(keys[i], int(pre[i]), cov)
+
+    def _truth(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray,
+               ext: np.ndarray, out: np.ndarray) -> None:
+        """EXPECT_PREFIX / EXPECT_NEW values and flag mask (CHAIN), or the token pool rows (POOL)."""
+        cfg = self.config
+        if cfg.token_truth != TokenTruth.CHAIN:
+            out[:2], out[2] = 0, NO_PREFIX & NO_NEW
+            if cfg.token_truth == TokenTruth.POOL and batch.true_tokens is not None:
+                self._pool_truth(batch, rows, keys, live, pre, ext)
+            return
+        offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
+        if offset != self.chains.offset:
+            self.chains = RowChains(self.pool.req_rows, offset, self._step)
+        if batch.expected_chains is not None:
+            t = _given_chains(batch.expected_chains, live)
+        elif batch.true_tokens is None and batch.true_new_tokens is None:
+            t = BatchTruth(*(np.zeros(rows.shape[0], dt) for dt in (np.int64, np.int64, bool, bool)))
+        else:
+            new = None if batch.true_new_tokens is None else host_i64(batch.true_new_tokens)
+            t = self.chains.forward(rows, keys, live, pre, ext, new, batch.true_tokens)
+        out[0], out[1] = t.expect_prefix, t.expect_new
+        drop_pre = live & (pre > 0) & ~t.prefix_known
+        drop_new = live & ~t.new_known
+        out[2] = np.where(drop_pre, NO_PREFIX, KEEP_ALL) & np.where(drop_new, NO_NEW, KEEP_ALL)
+
+    def _pool_truth(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray,
+                    pre: np.ndarray, ext: np.ndarray) -> None:
+        """Append each request's not yet uploaded true tokens to its expected-token pool row (per request)."""
+        st = self.state
+        if st.token_pool is None or batch.true_tokens is None:
+            raise KVCanaryInternalError("st.token_pool is unset: an invariant of the bracket was broken")
+        offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
+        width = st.token_pool.tokens.shape[1]
+        reqs: list[tuple[int, int, int, Sequence[int]]] = []
+        for i in np.flatnonzero(live).tolist():
+            rid, row, hist = keys[i], int(rows[i]), batch.true_tokens[i]
+            prev_row, done = self.pool_rows.get(rid, (row, 0))
+            if prev_row != row:
+                done = 0
+            upto = min(len(hist), int(pre[i] + ext[i]) + offset, width)
+            start = min(done, upto)
+            self.pool_rows[rid] = (row, upto)
+            reqs.append((row, start, upto - start, hist[start:upto]))
+        if reqs:
+            self._scatter(reqs)
+
+    def _scatter(self, reqs: list[tuple[int, int, int, Sequence[int]]]) -> None:
+        st = self.state
+        if st.token_pool is None:
+            raise KVCanaryInternalError("st.token_pool is unset: an invariant of the bracket was broken")
+        d = st.device
+        flat = [t for _, _, _, toks in reqs for t in toks]
+        meta = torch.tensor([[r for r, _, _, _ in reqs], [s for _, s, _, _ in reqs], [c for _, _, c, _ in reqs]],
+                            dtype=torch.int64).to(d, non_blocking=True)
+        tokens = torch.tensor(flat, dtype=torch.int64).to(d, non_blocking=True)
+        scatter_tokens(st.token_pool, meta[0], meta[1], meta[2], tokens, st.scatter_status, backend=self.backend)
+
+    def release(self, rid: Hashable) -> None:
+        """Forget a finished request's token truth, stripe cursor and last-seen step."""
+        self.chains.drop(rid)
+        self.pool_rows.pop(rid, None)
+        self.last_seen.pop(rid, None)
+        if self.stripes is not None:
+            self.stripes.drop(rid)
+
+
+def _given_chains(given: Sequence[tuple[int | None, int | None]], live: np.ndarray) -> BatchTruth:
+    """The engine's own expected chains (None = unknown) as a BatchTruth (one step per request)."""
+    ep = [0 if p is None else p for p, _ in given]
+    en = [0 if n is None else n for _, n in given]
+    return BatchTruth(np.asarray(ep, np.int64), np.asarray(en, np.int64),
+                      live & np.asarray([p is not None for p, _ in given], bool),
+                      live & np.asarray([n is not None for _, n in given], bool))
+
+
+def _native_step(backend: str) -> Callable[..., int] | None:
+    """The C++ backend's vectorized chain step for the host hasher, when a native backend is in use and it loads."""
+    if backend == "torch" or not _native.available("cpu"):
+        return None
+    return cast(Callable[..., int], _native.module("cpu").hash_chain_step)

@@ -1,0 +1,110 @@
+"""The pieces of the bracket alone: Stripes, DeviceProgram (shape cache, reuse check), Upload (fast truth form)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from kvcanary.adapter import BatchView
+from kvcanary.health import Coverage
+from kvcanary.manager import CanaryManager
+from kvcanary.stripes import Stripes
+from kvcanary_schema import CounterCol, Group, Half, LaunchTag, RecordField, Stage
+
+from .fake_engine import FakeEngine
+from .helpers import setup
+
+TAIL_K = int(LaunchTag.of(Stage.TAIL, Half.K, Group.FULL))
+
+
+def test_stripes_walk_the_older_slots_in_passes() -> None:
+    s, cov = Stripes(stripe_size=2, window_links=1), Coverage()
+    assert [s.end("a", 7, cov) for _ in range(4)] == [2, 4, 6, 2]  # 6 older slots: a pass of 3 stripes, again
+    assert s.end("b", 1, cov) == 0 and cov.live["b"] == 1  # nothing older than the window
+    assert s.end("a", 7, None) == 4 and s.end("a", 7, None) == 4  # a capture does not advance the cursor
+    s.drop("a")
+    assert s.end("a", 7, cov) == 2
+
+
+def _forward(eng: FakeEngine, m: CanaryManager, fast: bool = False) -> None:
+    b = eng.batch()
+    if fast:
+        b = _bulk(b)
+    m.begin_forward(b)
+    m.pre_forward()
+    eng.forward(b)
+    m.post_forward()
+    m.end_forward()
+
+
+def _bulk(b: BatchView) -> BatchView:
+    """The same batch in the bulk form: array host facts and the new tokens' truth (the engine feeds true tokens)."""
+    return dataclasses.replace(b, req_pool_indices_host=np.asarray(b.req_pool_indices_host),
+                               prefix_lens_host=np.asarray(b.prefix_lens_host),
+                               extend_lens_host=np.asarray(b.extend_lens_host),
+                               true_new_tokens=b.input_ids.cpu())
+
+
+def test_program_caches_shapes_and_pins_captured_ones() -> None:
+    eng, m = setup(n_reqs=2)
+    m.program.capacity = 1
+    table = eng.req_to_token
+    first = m.program.stages((2, 2), table)
+    assert m.program.stages((2, 2), table) is first
+    m.program.pinned.add((2, 2))
+    m.program.stages((1, 1), table)
+    m.program.stages((3, 3), table)
+    assert m.program.stages((2, 2), table) is first  # pinned: never evicted
+    assert len(m.program._cache) == 2
+
+
+def test_reuse_check_runs_only_when_a_request_is_new() -> None:
+    eng, m = setup(n_reqs=2)
+
+    def tail_verifies() -> int:
+        return int(m.state.sink.counters[TAIL_K, CounterCol.VERIFY_RUNS])
+    runs = []
+    for _ in range(3):
+        before = tail_verifies()
+        _forward(eng, m)
+        runs.append(tail_verifies() - before)
+    eng.add("late", [5, 6, 7])
+    before = tail_verifies()
+    _forward(eng, m)
+    assert runs == [2, 1, 1] and tail_verifies() - before == 2  # TAIL verify + reuse verify on a new request
+    m.flush()
+    assert not m.health.problems
+
+
+@pytest.mark.parametrize("flip", [RecordField.TOKEN, RecordField.PREV_HASH])
+def test_bulk_truth_form_reports_like_the_list_form(flip: RecordField) -> None:
+    out = []
+    for fast in (False, True):
+        eng, m = setup(n_reqs=3, mode="log")
+        for k in range(6):
+            if k == 4:
+                r = eng.reqs["r1"]
+                slot = int(eng.req_to_token[r.row, r.kv_len - 1])
+                for g in (m.state.groups[0].head, m.state.groups[0].tail):
+                    g.records[slot, 0, flip] += 1  # the newest record, before the next write seeds from it
+            _forward(eng, m, fast)
+        m.flush()
+        rows = sorted((v.tag.name, int(v.reasons), v.slot, v.position) for r in m.reports for v in r.violations)
+        out.append((rows, m.state.sink.counters.clone(), m.state.truth_rows.clone()))
+    assert out[0][0] and out[0][0] == out[1][0]
+    assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][2], out[1][2])
+
+
+def test_upload_masks_unknown_truth() -> None:
+    eng, m = setup(n_reqs=2)
+    _forward(eng, m)
+    assert not m.upload.mask_needed
+    b = dataclasses.replace(eng.batch(), true_tokens=None)
+    m.begin_forward(b)
+    assert m.upload.mask_needed
+    m.pre_forward()
+    eng.forward(b)
+    m.post_forward()
+    m.end_forward()
