@@ -26,6 +26,13 @@ VARIANTS: list[tuple[str, dict[str, Any], float]] = [
     ("fingerprint none", {"fingerprint": "none"}, 1.0),
     ("defaults (partial, seal, reuse, rolling sweep)", {}, 2.0),
 ]
+# --parts: the default policy taken apart (which part costs what), each against the same baseline
+PARTS: list[tuple[str, dict[str, Any], float]] = [
+    ("partial only", {"seal": False, "reuse_check": False, "sweep_slice": 0}, 2.0),
+    ("partial + seal", {"reuse_check": False, "sweep_slice": 0}, 2.0),
+    ("partial + rolling sweep", {"seal": False, "reuse_check": False}, 2.0),
+    ("defaults without structural check", {"structural_check": False}, 2.0),
+]
 PAGE = 16
 
 
@@ -93,18 +100,19 @@ def run_once(model: Any, ps: list[list[int]], new_tokens: int, timer: StepTimer)
     return decode, [r.generated_tokens for r in out.values()]
 
 
-def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, device: str) -> dict[str, Any]:
+def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, device: str,
+            variants: list[tuple[str, dict[str, Any], float]]) -> dict[str, Any]:
     """Interleaved repeats of baseline and every variant; medians of the per-step decode times."""
     from kvcanary.config import CanaryConfig
     from kvcanary.integrations import transformers as kt
 
-    names = ["baseline"] + [n for n, _, _ in VARIANTS]
+    names = ["baseline"] + [n for n, _, _ in variants]
     step_ms: dict[str, list[float]] = {n: [] for n in names}
     host_ms: dict[str, list[float]] = {n: [] for n in names[1:]}
     ref: list[list[int]] | None = None
     with StepTimer(device) as timer:
         for rep in range(repeats + 1):  # repetition 0 warms up (allocator, kernels, backend load)
-            for name, kwargs in [("baseline", None)] + [(n, k) for n, k, _ in VARIANTS]:
+            for name, kwargs in [("baseline", None)] + [(n, k) for n, k, _ in variants]:
                 handle = kt.install(model, CanaryConfig(mode="raise", **kwargs)) if kwargs is not None else None
                 try:
                     decode, out = run_once(model, ps, new_tokens, timer)
@@ -124,7 +132,7 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
     med = statistics.median
     base = med(step_ms["baseline"])
     rows = [{"config": "baseline", "decode_step_ms": round(base, 3)}]
-    for name, _, target in VARIANTS:
+    for name, _, target in variants:
         ms = med(step_ms[name])
         pct = 100.0 * (ms / base - 1.0)
         rows.append({"config": name, "decode_step_ms": round(ms, 3), "overhead_pct": round(pct, 2),
@@ -140,18 +148,21 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=33)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", action="store_true", help="also the default policy's parts, one at a time")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     cfg = LLAMA_1B if a.model == "1b" else LLAMA_TINY
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     model = build_model(cfg, a.device, dtype)
-    res = measure(model, prompts(a.batch, a.prompt, cfg["vocab_size"]), a.new_tokens, a.repeats, a.device)
+    res = measure(model, prompts(a.batch, a.prompt, cfg["vocab_size"]), a.new_tokens, a.repeats, a.device,
+                  VARIANTS + (PARTS if a.parts else []))
     for r in res["rows"]:
         print(json.dumps(r))
     out = {"machine": platform.node(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
            "command": f"python -m bench.bench_transformers --device {a.device} --model {a.model} --batch {a.batch} "
-                      f"--prompt {a.prompt} --new-tokens {a.new_tokens} --repeats {a.repeats}",
+                      f"--prompt {a.prompt} --new-tokens {a.new_tokens} --repeats {a.repeats}"
+                      + (" --parts" if a.parts else ""),
            "model": cfg, "params": sum(p.numel() for p in model.parameters()), "dtype": str(dtype),
            "page_size": PAGE, "note": "decode-step time of transformers continuous batching (sdpa paged cache, no "
            "CUDA graphs), synchronized per step, median over repeats interleaved with the baseline", **res}

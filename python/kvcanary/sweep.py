@@ -9,8 +9,9 @@ import torch
 from kvcanary_schema import Stage
 
 from kvcanary.adapter import PrefixCacheExport
+from kvcanary.ops.bound import BoundOp
 from kvcanary.ops.plan import plan_roll, plan_sweep
-from kvcanary.ops.verify import verify
+from kvcanary.ops.verify import bind_verify
 from kvcanary.report import CachedChain
 from kvcanary.state import CanaryState
 
@@ -71,6 +72,7 @@ class Sweeper:
         self.chain_out = torch.zeros(state.config.sweep_slice, dtype=torch.int64, device=state.device)
         # the last export rolled over and what the slice plan derives from it (running ends, unlocked flags)
         self._derived: tuple[PrefixCacheExport, torch.Tensor, torch.Tensor | None] | None = None
+        self._verifies = self._bind_verifies()
 
     def run(self, export: PrefixCacheExport) -> int:
         """Verify every chain of ``export`` (eager, outside any graph); returns the verify launches per group/half."""
@@ -129,15 +131,23 @@ class Sweeper:
         unlocked = export.unlocked.to(torch.int64) if self.unlocked_only and export.unlocked is not None else None
         return ends, unlocked
 
-    def _verify(self, slots: torch.Tensor) -> None:
-        st = self.state
-        table = slots.view(1, -1)
+    def _bind_verifies(self) -> list[BoundOp]:
+        """The sweep plan's verifies (TAIL + fingerprint, HEAD + seal per group), checked once: only the export's
+        slots (the table, int64 [1, N], validated with the export) change between sweeps."""
+        st, table = self.state, torch.zeros(1, 1, dtype=torch.int64, device=self.state.device)
+        ops = []
         for g in st.groups:
-            verify(g.tail, Stage.SWEEP, st.sweep_plan, st.sweep_status, table, st.sink,
-                   fingerprint=g.fingerprint, backend=self.backend)
+            ops.append(bind_verify(g.tail, Stage.SWEEP, st.sweep_plan, st.sweep_status, table, st.sink,
+                                   fingerprint=g.fingerprint, backend=self.backend).frozen())
             if g.seal is not None:
-                verify(g.head, Stage.SWEEP, st.sweep_plan, st.sweep_status, table, st.sink, fingerprint=g.seal,
-                       backend=self.backend)
+                ops.append(bind_verify(g.head, Stage.SWEEP, st.sweep_plan, st.sweep_status, table, st.sink,
+                                       fingerprint=g.seal, backend=self.backend).frozen())
+        return ops
+
+    def _verify(self, slots: torch.Tensor) -> None:
+        table = slots.view(1, -1)
+        for op in self._verifies:
+            op(table)
 
     @staticmethod
     def empty_export(device: torch.device) -> PrefixCacheExport:
