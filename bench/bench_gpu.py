@@ -500,7 +500,7 @@ def breakdown(samples: int = 20) -> dict[str, dict[str, float]]:
         for ev in prof.key_averages():
             t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
             if t:  # template instances share a truncated name: add them up
-                per[ev.key[:60]] = per.get(ev.key[:60], 0.0) + t / samples
+                per[ev.key[:96]] = per.get(ev.key[:96], 0.0) + t / samples
         out[sc.name] = dict(sorted(per.items(), key=lambda kv: -kv[1])[:8])
         print(sc.name, json.dumps(out[sc.name], indent=1), flush=True)
     return out
