@@ -541,3 +541,25 @@ def test_dense_slots(llama: Any) -> None:
     finally:
         handle.uninstall()
         mgr.destroy()
+
+
+def test_export_is_rebuilt_only_when_the_block_lifecycle_moves(llama: Any, prompts: list[list[int]]) -> None:
+    """The sweep's export is the same object while nothing changed, a fresh one after any lifecycle call, and always
+    equal to a rebuild from the ledger (the rolling sweep never sees a stale cache)."""
+    seen: list[tuple[bool, bool, bool]] = []
+
+    def check(mgr: Any, i: int) -> None:
+        (session,) = [s for s in handle.iter_sessions() if s.proc is mgr.batch_processor]
+        ad = session.adapter
+        first = ad.prefix_cache_export()
+        again = ad.prefix_cache_export()
+        fresh = ad._build_export()
+        same = first is not None and fresh is not None and all(
+            torch.equal(getattr(first, f), getattr(fresh, f))
+            for f in ("slots", "starts", "lens", "first_positions", "prev_slots", "unlocked"))
+        ad.touch()
+        seen.append((again is first, same, ad.prefix_cache_export() is not first))
+
+    with kt.install(llama, raise_config()) as handle:
+        run_manager(llama, prompts[:3], sequential=True, between=check, max_new_tokens=4)
+    assert seen == [(True, True, True)] * 3

@@ -191,6 +191,10 @@ class HFPoolAdapter:
         self._free_rows = list(range(self.req_rows - 1, -1, -1))
         self._hashed: dict[int, tuple[int, int, int]] = {}  # block -> (content hash, first position, parent or -1)
         self._hashed_upto: dict[str, int] = {}  # request -> leading blocks of its table already recorded
+        # the export of the last sweep and what it was built from: the block lifecycle calls touch(), so an unchanged
+        # cache hands the sweep the same (immutable) export object again
+        self.version = 0
+        self._export: tuple[tuple[int, int, int], PrefixCacheExport | None] | None = None
         self._warned_fallback = False
 
     # ------------------------------------------------------------------ pool description
@@ -314,8 +318,20 @@ class HFPoolAdapter:
         for b in [b for b, (h, _, _) in self._hashed.items() if b2h.get(b) != h]:
             del self._hashed[b]
 
+    def touch(self) -> None:
+        """The block lifecycle changed something the export holds (hashes, cached blocks, block tables)."""
+        self.version += 1
+
     def prefix_cache_export(self) -> PrefixCacheExport | None:
-        """Every hashed block (live or cached) as a chain of ``page_size`` slots; ``unlocked`` = cached."""
+        """Every hashed block (live or cached) as a chain of ``page_size`` slots; ``unlocked`` = cached. Rebuilt only
+        when the lifecycle touched the cache or the ledger's sizes moved (the same object otherwise)."""
+        ledger = self.alloc.ledger
+        key = (self.version, len(ledger.block_to_hash), len(ledger.cached_blocks))
+        if self._export is None or self._export[0] != key:
+            self._export = (key, self._build_export())
+        return self._export[1]
+
+    def _build_export(self) -> PrefixCacheExport | None:
         self.forget_hashes()
         valid = self._hashed
         chains = [(b, fp, par) for b, (_, fp, par) in valid.items() if par < 0 or par in valid]
@@ -485,6 +501,7 @@ class _Session:
         def allocate_cache_to_request(request_id: str, past_length: int, query_length: int) -> Any:
             before = len(self.adapter.alloc.block_table.get(request_id, ()))
             out = orig(request_id, past_length, query_length)
+            self.adapter.touch()
             self.stats["blocks_allocated"] += len(self.adapter.alloc.block_table.get(request_id, ())) - before
             return out
         return allocate_cache_to_request
@@ -492,6 +509,7 @@ class _Session:
     def _wrap_free(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def free_blocks(request_id: str, no_cache: bool = False) -> Any:
             out = orig(request_id, no_cache)
+            self.adapter.touch()
             if self.adapter.release(request_id):
                 self.canary.release(request_id)
                 self.stats["requests_released"] += 1
@@ -501,6 +519,7 @@ class _Session:
     def _wrap_mark_complete(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def mark_complete_blocks(request_id: str, token_ids: list[int], new_new_blocks: int) -> Any:
             out = orig(request_id, token_ids, new_new_blocks)
+            self.adapter.touch()
             self.adapter.on_blocks_hashed(request_id)
             return out
         return mark_complete_blocks
@@ -508,6 +527,7 @@ class _Session:
     def _wrap_copy(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def copy_blocks(source_block_ids: list[int], dest_block_ids: list[int]) -> Any:
             out = orig(source_block_ids, dest_block_ids)
+            self.adapter.touch()
             self.adapter.copy_records(self.canary, source_block_ids, dest_block_ids)
             self.stats["blocks_copied"] += len(source_block_ids)
             return out
@@ -516,6 +536,7 @@ class _Session:
     def _wrap_prefix_match(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
             hit = int(orig(request_id, prompt_ids))
+            self.adapter.touch()
             self.stats["prefix_lookups"] += 1
             self.stats["prefix_hits"] += int(hit > 0)
             self.stats["prefix_hit_tokens"] += hit
@@ -525,6 +546,7 @@ class _Session:
     def _wrap_evict(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def evict_cached_blocks() -> bool:
             out = bool(orig())
+            self.adapter.touch()
             self.adapter.forget_hashes()
             self.stats["evictions"] += int(out)
             return out
@@ -533,6 +555,7 @@ class _Session:
     def _wrap_reset(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def reset() -> Any:
             out = orig()
+            self.adapter.touch()
             self.adapter.forget_hashes()
             return out
         return reset
