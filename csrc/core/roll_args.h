@@ -16,19 +16,10 @@ inline RollSource roll_source(const TensorView& slots, const TensorView& starts,
                               const TensorView& ends, const TensorView& first_positions, const TensorView& prev_slots,
                               const TensorView& unlocked, int64_t has_unlocked, const TensorView& inv,
                               int64_t num_slot_ids, int64_t cursor) {
-  check_i64_tensor(starts, slots, 1, "starts", "slots");
-  const int64_t n = starts.size(0);
-  for (auto [t, name] : {std::pair<const TensorView*, const char*>{&lens, "lens"}, {&ends, "ends"},
-                         {&first_positions, "first_positions"}, {&prev_slots, "prev_slots"}}) {
-    check_i64_tensor(*t, slots, 1, name, "slots");
-    check_dim(*t, 0, n, name);
-  }
-  check_i64_tensor(unlocked, slots, 1, "unlocked", "slots");
-  if (has_unlocked) {
-    check_dim(unlocked, 0, n, "unlocked");
-  } else {
-    TVM_FFI_CHECK(unlocked.size(0) == 0, ValueError) << "unlocked must be empty when absent";
-  }
+  const int64_t n = check_chain_arrays(slots, "slots", starts, "starts",
+                                       {{&lens, "lens"}, {&ends, "ends"}, {&first_positions, "first_positions"},
+                                        {&prev_slots, "prev_slots"}});
+  check_optional(unlocked, has_unlocked, slots, n, "unlocked", "slots");
   check_i64_tensor(inv, slots, 1, "inv", "slots");
   TVM_FFI_CHECK(num_slot_ids >= 1, ValueError) << "num_slot_ids must be >= 1, got " << num_slot_ids;
   TVM_FFI_CHECK(inv.size(0) >= num_slot_ids, ValueError)

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
 
 #include "common.cuh"
 #include "resolve.cuh"
@@ -80,6 +81,35 @@ inline void check_plan_status(const TensorView& plan, const TensorView& status, 
   check_dim(plan, 1, kNumPlanCols, "plan");
   check_i64_tensor(status, ref, 1, "status", ref_name);
   check_dim(status, 0, kNumPlanStatusCols, "status");
+}
+// Per-chain int64 [n] arrays on `ref`'s device: `first` fixes n (returned), every array of `rest` must match it.
+inline int64_t check_chain_arrays(const TensorView& ref, const char* ref_name, const TensorView& first,
+                                  const char* first_name,
+                                  std::initializer_list<std::pair<const TensorView*, const char*>> rest) {
+  check_i64_tensor(first, ref, 1, first_name, ref_name);
+  const int64_t n = first.size(0);
+  for (auto [t, name] : rest) {
+    check_i64_tensor(*t, ref, 1, name, ref_name);
+    check_dim(*t, 0, n, name);
+  }
+  return n;
+}
+// An optional int64 [n] argument: present (flag non-zero) with n entries, or a 0-element tensor.
+inline void check_optional(const TensorView& t, int64_t present, const TensorView& ref, int64_t n, const char* name,
+                           const char* ref_name) {
+  check_i64_tensor(t, ref, 1, name, ref_name);
+  if (present) {
+    check_dim(t, 0, n, name);
+  } else {
+    TVM_FFI_CHECK(t.size(0) == 0, ValueError) << name << " must be empty when absent";
+  }
+}
+// A plan and status an op fills (check_plan_status) with room for `needed` segments.
+inline void check_plan_out(const TensorView& plan, const TensorView& status, const TensorView& ref,
+                           const char* ref_name, int64_t needed) {
+  check_plan_status(plan, status, ref, ref_name);
+  TVM_FFI_CHECK(plan.size(0) >= needed, ValueError)
+      << "plan has " << plan.size(0) << " rows, needs at least " << needed;
 }
 // The sink: ring rows [cap, NUM_VIOLATION_COLS], ring count [1], counters [NUM_LAUNCH_TAGS, NUM_COUNTER_COLS],
 // step [1].

@@ -28,26 +28,6 @@ namespace kvcanary {
 
 namespace {
 
-void check_plan_out(const TensorView& plan, const TensorView& status, const TensorView& ref, const char* ref_name,
-                    int64_t needed) {
-  check_i64_tensor(plan, ref, 2, "plan", ref_name);
-  check_dim(plan, 1, kNumPlanCols, "plan");
-  check_i64_tensor(status, ref, 1, "status", ref_name);
-  check_dim(status, 0, kNumPlanStatusCols, "status");
-  TVM_FFI_CHECK(plan.size(0) >= needed, ValueError)
-      << "plan has " << plan.size(0) << " rows, needs at least " << needed;
-}
-
-void check_optional(const TensorView& t, int64_t present, const TensorView& ref, int64_t n, const char* name,
-                    const char* ref_name) {
-  check_i64_tensor(t, ref, 1, name, ref_name);
-  if (present) {
-    check_dim(t, 0, n, name);
-  } else {
-    TVM_FFI_CHECK(t.size(0) == 0, ValueError) << name << " must be empty when absent";
-  }
-}
-
 void set_status(int64_t* st, int64_t segments, int64_t verify_entries, int64_t write_entries, int64_t errors,
                 int64_t overflow) {
   st[col(PlanStatusCol::NUM_SEGMENTS)] = segments;
@@ -121,13 +101,9 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
                   TensorView expect_new, int64_t has_expect_new, int64_t num_tokens, int64_t window,
                   int64_t padding_row, int64_t table_page, TensorView reuse_plan, TensorView reuse_status,
                   TensorView reuse_lens, int64_t has_reuse) {
-  check_i64_tensor(req_pool_indices, req_pool_indices, 1, "req_pool_indices", "req_pool_indices");
   check_device_type(req_pool_indices, kDLCPU, "req_pool_indices");
-  const int64_t bs = req_pool_indices.size(0);
-  check_i64_tensor(prefix_lens, req_pool_indices, 1, "prefix_lens", "req_pool_indices");
-  check_dim(prefix_lens, 0, bs, "prefix_lens");
-  check_i64_tensor(extend_lens, req_pool_indices, 1, "extend_lens", "req_pool_indices");
-  check_dim(extend_lens, 0, bs, "extend_lens");
+  const int64_t bs = check_chain_arrays(req_pool_indices, "req_pool_indices", req_pool_indices, "req_pool_indices",
+                                        {{&prefix_lens, "prefix_lens"}, {&extend_lens, "extend_lens"}});
   check_slot_table(req_to_token, req_pool_indices, "req_to_token", "req_pool_indices");
   check_plan_out(plan, status, req_pool_indices, "req_pool_indices", bs);
   check_optional(expect_prefix, has_expect_prefix, req_pool_indices, bs, "expect_prefix", "req_pool_indices");
@@ -159,14 +135,9 @@ void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView
                 TensorView first_positions, TensorView prev_slots, TensorView expect_end, int64_t has_expect_end) {
   check_i64_tensor(slots, slots, 1, "slots", "slots");
   check_device_type(slots, kDLCPU, "slots");
-  check_i64_tensor(starts, slots, 1, "starts", "slots");
-  const int64_t n = starts.size(0);
-  check_i64_tensor(lens, slots, 1, "lens", "slots");
-  check_dim(lens, 0, n, "lens");
-  check_i64_tensor(first_positions, slots, 1, "first_positions", "slots");
-  check_dim(first_positions, 0, n, "first_positions");
-  check_i64_tensor(prev_slots, slots, 1, "prev_slots", "slots");
-  check_dim(prev_slots, 0, n, "prev_slots");
+  const int64_t n = check_chain_arrays(slots, "slots", starts, "starts",
+                                       {{&lens, "lens"}, {&first_positions, "first_positions"},
+                                        {&prev_slots, "prev_slots"}});
   check_optional(expect_end, has_expect_end, slots, n, "expect_end", "slots");
   check_plan_out(plan, status, slots, "slots", n);
 

@@ -154,12 +154,8 @@ __global__ void __launch_bounds__(kPlanThreads, 1)
 
 void check_sweep_plan_out(const TensorView& plan, const TensorView& status, const TensorView& slots, int64_t n) {
   check_cuda(plan, "plan");
-  check_i64_tensor(plan, plan, 2, "plan", "plan");
-  check_dim(plan, 1, kNumPlanCols, "plan");
-  check_i64_tensor(status, plan, 1, "status", "plan");
-  check_dim(status, 0, kNumPlanStatusCols, "status");
+  check_plan_out(plan, status, plan, "plan", n);
   check_i64_tensor(slots, plan, 1, "slots", "plan");
-  TVM_FFI_CHECK(plan.size(0) >= n, ValueError) << "plan capacity " << plan.size(0) << " < chains " << n;
 }
 
 template <typename Chains>
@@ -181,41 +177,19 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
                   int64_t padding_row, int64_t table_page, TensorView reuse_plan, TensorView reuse_status,
                   TensorView reuse_lens, int64_t has_reuse) {
   check_cuda(plan, "plan");
-  check_i64_tensor(plan, plan, 2, "plan", "plan");
-  check_dim(plan, 1, kNumPlanCols, "plan");
-  check_i64_tensor(status, plan, 1, "status", "plan");
-  check_dim(status, 0, kNumPlanStatusCols, "status");
-  check_i64_tensor(req_pool_indices, plan, 1, "req_pool_indices", "plan");
-  const int64_t bs = req_pool_indices.size(0);
-  check_i64_tensor(prefix_lens, plan, 1, "prefix_lens", "plan");
-  check_i64_tensor(extend_lens, plan, 1, "extend_lens", "plan");
-  check_dim(prefix_lens, 0, bs, "prefix_lens");
-  check_dim(extend_lens, 0, bs, "extend_lens");
-  check_index_dtype(req_to_token, "req_to_token");
-  check_ndim(req_to_token, 2, "req_to_token");
-  check_contiguous(req_to_token, "req_to_token");
-  check_same_device(req_to_token, plan, "req_to_token", "plan");
-  TVM_FFI_CHECK(plan.size(0) >= bs, ValueError) << "plan capacity " << plan.size(0) << " < batch size " << bs;
+  const int64_t bs = check_chain_arrays(plan, "plan", req_pool_indices, "req_pool_indices",
+                                        {{&prefix_lens, "prefix_lens"}, {&extend_lens, "extend_lens"}});
+  check_plan_out(plan, status, plan, "plan", bs);
+  check_slot_table(req_to_token, plan, "req_to_token", "plan");
   TVM_FFI_CHECK(num_tokens >= 0, ValueError) << "num_tokens must be >= 0, got " << num_tokens;
   TVM_FFI_CHECK(window >= 0, ValueError) << "window must be >= 0, got " << window;
   TVM_FFI_CHECK(padding_row >= -1, ValueError) << "padding_row must be >= -1, got " << padding_row;
-  if (has_expect_prefix) {
-    check_i64_tensor(expect_prefix, plan, 1, "expect_prefix", "plan");
-    check_dim(expect_prefix, 0, bs, "expect_prefix");
-  }
-  if (has_expect_new) {
-    check_i64_tensor(expect_new, plan, 1, "expect_new", "plan");
-    check_dim(expect_new, 0, bs, "expect_new");
-  }
+  check_optional(expect_prefix, has_expect_prefix, plan, bs, "expect_prefix", "plan");
+  check_optional(expect_new, has_expect_new, plan, bs, "expect_new", "plan");
   if (has_reuse) {
-    check_i64_tensor(reuse_plan, plan, 2, "reuse_plan", "plan");
-    check_dim(reuse_plan, 1, kNumPlanCols, "reuse_plan");
-    check_i64_tensor(reuse_status, plan, 1, "reuse_status", "plan");
-    check_dim(reuse_status, 0, kNumPlanStatusCols, "reuse_status");
+    check_plan_out(reuse_plan, reuse_status, plan, "plan", bs);
     check_i64_tensor(reuse_lens, plan, 1, "reuse_lens", "plan");
     check_dim(reuse_lens, 0, bs, "reuse_lens");
-    TVM_FFI_CHECK(reuse_plan.size(0) >= bs, ValueError)
-        << "reuse_plan capacity " << reuse_plan.size(0) << " < batch size " << bs;
   }
   PlanForwardArgs a{static_cast<int64_t*>(plan.data_ptr()),
                     static_cast<int64_t*>(status.data_ptr()),
@@ -248,18 +222,11 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
 
 void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView starts, TensorView lens,
                 TensorView first_positions, TensorView prev_slots, TensorView expect_end, int64_t has_expect_end) {
-  check_i64_tensor(starts, plan, 1, "starts", "plan");
-  const int64_t n = starts.size(0);
+  const int64_t n = check_chain_arrays(plan, "plan", starts, "starts",
+                                       {{&lens, "lens"}, {&first_positions, "first_positions"},
+                                        {&prev_slots, "prev_slots"}});
   check_sweep_plan_out(plan, status, slots, n);
-  for (auto [t, name] : {std::pair<TensorView*, const char*>{&lens, "lens"}, {&first_positions, "first_positions"},
-                         {&prev_slots, "prev_slots"}}) {
-    check_i64_tensor(*t, plan, 1, name, "plan");
-    check_dim(*t, 0, n, name);
-  }
-  if (has_expect_end) {
-    check_i64_tensor(expect_end, plan, 1, "expect_end", "plan");
-    check_dim(expect_end, 0, n, "expect_end");
-  }
+  check_optional(expect_end, has_expect_end, plan, n, "expect_end", "plan");
   const SweepArrays chains{static_cast<const int64_t*>(starts.data_ptr()), static_cast<const int64_t*>(lens.data_ptr()),
                            static_cast<const int64_t*>(first_positions.data_ptr()),
                            static_cast<const int64_t*>(prev_slots.data_ptr()),
