@@ -563,3 +563,22 @@ def test_export_is_rebuilt_only_when_the_block_lifecycle_moves(llama: Any, promp
     with kt.install(llama, raise_config()) as handle:
         run_manager(llama, prompts[:3], sequential=True, between=check, max_new_tokens=4)
     assert seen == [(True, True, True)] * 3
+
+
+def test_decode_steps_reuse_the_export(llama: Any, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps that complete no block and free nothing hand the sweep the cached export (every scheduled
+    request's allocation call that adds no block changes nothing)."""
+    counts = {"export": 0, "build": 0}
+    export, build = kt.HFPoolAdapter.prefix_cache_export, kt.HFPoolAdapter._build_export
+
+    def counted(name: str, fn: Any) -> Any:
+        def run(self: Any) -> Any:
+            counts[name] += 1
+            return fn(self)
+        return run
+    monkeypatch.setattr(kt.HFPoolAdapter, "prefix_cache_export", counted("export", export))
+    monkeypatch.setattr(kt.HFPoolAdapter, "_build_export", counted("build", build))
+    with kt.install(llama, raise_config()) as handle:
+        run_manager(llama, prompts[:2], max_new_tokens=24)
+    assert handle.total_violations == 0
+    assert counts["export"] >= 24 and counts["build"] <= counts["export"] // 2, counts

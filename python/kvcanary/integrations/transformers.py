@@ -501,8 +501,10 @@ class _Session:
         def allocate_cache_to_request(request_id: str, past_length: int, query_length: int) -> Any:
             before = len(self.adapter.alloc.block_table.get(request_id, ()))
             out = orig(request_id, past_length, query_length)
-            self.adapter.touch()
-            self.stats["blocks_allocated"] += len(self.adapter.alloc.block_table.get(request_id, ())) - before
+            added = len(self.adapter.alloc.block_table.get(request_id, ())) - before
+            if added:  # called for every scheduled request every step: most calls change nothing
+                self.adapter.touch()
+            self.stats["blocks_allocated"] += added
             return out
         return allocate_cache_to_request
 
