@@ -152,6 +152,8 @@ class Scenario:
     sweep_slice: int = 0  # default policy: rolling-sweep slots verified in the same graph (0 = per-forward only)
     share: int = 1  # default policy: CanaryConfig.fingerprint_share (TAIL verify fingerprints 1/share of the slots)
     fold_reuse: bool = True  # default policy: the reuse plan in the forward plan's launch (plan_forward reuse=...)
+    layers: str = "first"  # default policy: per-forward partial of the first layer (CanaryConfig()) or "rotate"
+    seal: bool = True  # default policy: the sealed HEAD write and the reuse check (False: attribution rows)
     sglang_us: float | None = None
     target: str = "<= max(10 us, 1.25 x floor)"
     structural: bool = True  # WriteCheck.STRUCTURAL on the HEAD write, as the runtime's default
@@ -224,13 +226,17 @@ def policy_scenarios() -> list[Scenario]:
     out = []
     for halves in (1, 2):
         kv = "K+V" if halves == 2 else "K"
-        out.append(Scenario(f"fp none decode bs256 pre4096 ext1 {kv} perm (policy base)", 256, 4096, 1, halves))
+        for layout in ("perm", "contig"):
+            out.append(Scenario(f"fp none decode bs256 pre4096 ext1 {kv} {layout} (policy base)", 256, 4096, 1,
+                                halves, layout=layout))
         variants: list[tuple[str, dict[str, Any]]] = [
             ("", {}), (" share 2", {"share": 2}), (" share 4", {"share": 4}),
-            (" reuse plan separate", {"fold_reuse": False}),
+            (" reuse plan separate", {"fold_reuse": False}), (" rotating layer", {"layers": "rotate"}),
+            (" no seal", {"seal": False}), (" contig", {"layout": "contig"}),
             (f" + sweep slice {DEFAULT_SWEEP_SLICE}", {"sweep_slice": DEFAULT_SWEEP_SLICE})]
         for label, kw in variants:
-            name = f"fp default{label} ({POLICY_LAYERS} layers) decode bs256 pre4096 ext1 {kv} perm"
+            layout = kw.get("layout", "perm")
+            name = f"fp default{label} ({POLICY_LAYERS} layers) decode bs256 pre4096 ext1 {kv} {layout}"
             target = "stated (sweep slice cost)" if kw.get("sweep_slice") else "<= 1.25 x fp none"
             out.append(Scenario(name, 256, 4096, 1, halves, fp="default", target=target, **kw))
     return out
@@ -265,8 +271,12 @@ class State:
                                                 generator=gen)) for _ in range(POLICY_LAYERS)]
                       for _ in range(sc.halves)]
             srcs_all = FingerprintSources(layers, space)
-            self.fp = Fingerprint(srcs_all, FingerprintMode.PARTIAL, POLICY_LAYERS, sc.share)
-            self.seal = Fingerprint(srcs_all, FingerprintMode.ALL)
+            if sc.layers == "first":
+                first = FingerprintSources([[h[0]] for h in layers], space)
+                self.fp = Fingerprint(first, FingerprintMode.PARTIAL, 1, sc.share)
+            else:
+                self.fp = Fingerprint(srcs_all, FingerprintMode.PARTIAL, POLICY_LAYERS, sc.share)
+            self.seal = Fingerprint(srcs_all, FingerprintMode.ALL) if sc.seal else None
         elif sc.fp != "none":
             srcs = [[SourceSpec(torch.randint(0, 256, (space, FP_ROW_BYTES), dtype=torch.uint8, device=DEV,
                                               generator=gen))] for _ in range(sc.halves)]
@@ -377,7 +387,8 @@ def account(sc: Scenario, fl: Floors) -> tuple[int, int, int, float]:
         random += (entries + new) * sc.halves  # one 16-byte read per row
     elif sc.fp == "default":  # 16 bytes of one layer per verified (1/share) / written row; the seal of the new rows
         random += (entries // sc.share + new + sc.sweep_slice) * sc.halves + 2 * sc.sweep_slice  # + slice records
-        stream += (new + sc.sweep_slice) * sc.halves * POLICY_LAYERS * FP_ROW_BYTES
+        if sc.seal:
+            stream += (new + sc.sweep_slice) * sc.halves * POLICY_LAYERS * FP_ROW_BYTES
     rate = fl.gather64_per_s if sc.halves == 2 else fl.gather32_per_s
     floor = stream / (fl.read_gbs * 1e3) + random / rate * 1e6
     return stream, random * sc.halves, slot_gathers * sc.halves, floor
@@ -433,11 +444,11 @@ def run_scenario(sc: Scenario, fl: Floors, flush: L2Flusher, samples: int, torch
 
 def judge(results: list[Result]) -> None:
     konly = {(r.scenario.name.replace(" K+V ", " K ")): r for r in results if r.scenario.halves == 1}
-    base = {r.scenario.halves: r for r in results if r.scenario.name.endswith("(policy base)")}
+    base = {(r.scenario.halves, r.scenario.layout): r for r in results if r.scenario.name.endswith("(policy base)")}
     for r in results:
         t = r.scenario.target
         if t == "<= 1.25 x fp none" or t.startswith("stated"):
-            b = base.get(r.scenario.halves)
+            b = base.get((r.scenario.halves, r.scenario.layout))
             r.target_met = b is not None and (t.startswith("stated") or r.warm_us <= 1.25 * b.warm_us)
             if b is not None:
                 r.notes.append(f"{r.warm_us / b.warm_us:.3f} x fp none (warm), {r.cold_us / b.cold_us:.3f} x (cold)")
@@ -484,6 +495,8 @@ def breakdown(samples: int = 20) -> dict[str, dict[str, float]]:
                Scenario("fp all decode bs256 pre4096 K", 256, 4096, 1, fp="all"),
                Scenario("fp default decode bs256 pre4096 K", 256, 4096, 1, fp="default"),
                Scenario("fp default share 4 decode bs256 pre4096 K", 256, 4096, 1, fp="default", share=4),
+               Scenario("fp default rotating layer decode bs256 pre4096 K", 256, 4096, 1, fp="default",
+                        layers="rotate"),
                Scenario("fp default + sweep slice decode bs256 pre4096 K", 256, 4096, 1, fp="default",
                         sweep_slice=DEFAULT_SWEEP_SLICE)):
         st = State(sc)

@@ -107,6 +107,12 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
   __shared__ unsigned long long s_fp_acc[kFpItems * MAX_HALVES];
   const VerifyParams& P = L.P;
   const int64_t nseg = plan_num_segments(L.status, L.plan_cap);
+  if (nseg == 0) {  // grid-uniform (an empty reuse plan every steady decode forward): only the run is counted
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      for (int64_t h = 0; h < kHalves; ++h) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);
+    }
+    return;
+  }
   const OwnSeg own(L);
   const int lane = threadIdx.x % kWarp;
   const int64_t gthreads = static_cast<int64_t>(gridDim.x) * kVerifyThreads;

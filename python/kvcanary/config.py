@@ -112,12 +112,13 @@ class CanaryConfig:
     """Every knob of the runtime. Invalid values raise CanaryInputError naming the knob."""
 
     mode: CanaryMode = CanaryMode.LOG
-    # The default policy (docs/defaults.md): every verify fingerprints 16 bytes of one layer per slot and half, the
-    # layer rotating with the position; the HEAD records carry a seal (every byte of every layer); a request's
-    # reused prefix is checked against the seal in its first forward; a rolling sweep checks ``sweep_slice``
-    # cached slots per forward against both.
+    # The default policy (docs/defaults.md): every verify fingerprints the first 16 bytes of the first layer per
+    # slot and half (a whole-slot overwrite changes them); the HEAD records carry a seal (every byte of every
+    # layer); a request's reused prefix is checked against the seal in its first forward; a rolling sweep checks
+    # ``sweep_slice`` cached slots per forward against both. (ROTATE, one layer per position, reads randomly across
+    # every layer's tensor: 1.50x instead of 1.32x the no-fingerprint GPU time at decode bs 256 prefix 4096.)
     fingerprint: FingerprintMode = FingerprintMode.PARTIAL
-    layer_coverage: LayerCoverage = LayerCoverage.ROTATE
+    layer_coverage: LayerCoverage = LayerCoverage.FIRST
     layer_stride: int = DEFAULT_FP_LAYER_STRIDE  # used by LayerCoverage.SAMPLE
     # The per-forward (TAIL) fingerprint checks a rotating share 1/fingerprint_share of the verified slots: the slot
     # at position p when (p + prefix_len) % fingerprint_share == 0. A power of two; 1 = every slot every forward.

@@ -113,7 +113,7 @@ def _found(canary: EngineCanary, slot: int, stage: Stage) -> list[int]:
 @pytest.mark.parametrize("position", [0, 1, 7, 12, 29])
 def test_whole_slot_overwrite_is_caught_in_the_forward_that_reads_it(position: int, backend: str) -> None:
     """A stray write of a slot (its rows in every layer, K and V) is seen by the very next forward's TAIL verify,
-    whichever layer the 16-byte partial fingerprint of that position samples."""
+    at every position (the partial fingerprint samples the first layer)."""
     engine, canary, row = _decoding(backend)
     slot = int(engine.req_to_token.table[row, position])
     pool, g = engine.models.target_pool, torch.Generator().manual_seed(position)

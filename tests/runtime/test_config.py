@@ -11,7 +11,7 @@ from kvcanary_schema import DEFAULT_RING_CAPACITY, FingerprintMode, TokenTruth
 def test_defaults() -> None:
     c = CanaryConfig()
     assert c.mode == CanaryMode.LOG and c.token_truth == TokenTruth.CHAIN and c.coverage == CoveragePolicy.FULL
-    assert c.fingerprint == FingerprintMode.PARTIAL and c.layer_coverage == LayerCoverage.ROTATE and c.sealing
+    assert c.fingerprint == FingerprintMode.PARTIAL and c.layer_coverage == LayerCoverage.FIRST and c.sealing
     assert c.sweep_interval == 0 and c.sweep_slice > 0 and c.ring_capacity == DEFAULT_RING_CAPACITY
     assert not c.perturb.enabled and c.backend == "auto" and c.structural_check
     assert CanaryConfig(backend="torch").resolved_backend("cpu") == "torch"

@@ -22,9 +22,10 @@ from kvcanary_schema import (
 
 def test_defaults_are_the_policy() -> None:
     cfg = CanaryConfig()
-    assert cfg.fingerprint == FingerprintMode.PARTIAL and cfg.layer_coverage == LayerCoverage.ROTATE
+    assert cfg.fingerprint == FingerprintMode.PARTIAL and cfg.layer_coverage == LayerCoverage.FIRST
     assert cfg.sealing and cfg.reuse_check and cfg.sweep_interval == 0 and cfg.sweep_slice == DEFAULT_SWEEP_SLICE
-    assert cfg.layer_stride_for(7) == 7
+    assert cfg.layer_stride_for(7) == 1  # FIRST: the state hands the ops source 0 only
+    assert cfg.replace(layer_coverage="rotate").layer_stride_for(7) == 7
     assert not cfg.replace(fingerprint="all", layer_coverage="all").sealing  # per-forward already covers every byte
     assert not cfg.replace(fingerprint="none").sealing and not cfg.replace(seal=False).sealing
     env = CanaryConfig.from_env({"KVCANARY_SEAL": "0", "KVCANARY_SWEEP_SLICE": "64", "KVCANARY_REUSE_CHECK": "off"})
