@@ -131,6 +131,19 @@ _SEED, _MUL1, _MUL2, _BASE = (np.uint64(v) for v in (CHAIN_SEED, SPLITMIX_MUL1, 
 _S27, _S30, _S31, _S32 = (np.uint64(v) for v in (27, 30, 31, 32))
 
 
+def new_token_truth(truth: Sequence[Sequence[int]], pre: Sequence[int], ext: Sequence[int], n: int,
+                    offset: int = 0) -> np.ndarray:
+    """BatchView.true_new_tokens from per-row histories: the true token of each new position p of row i,
+    ``truth[i][p + offset]``, flat like input_ids (rows' ``ext[i]`` tokens in order), -1 past a history's end."""
+    out = np.full(n, -1, dtype=np.int64)
+    at = 0
+    for hist, p, e in zip(truth, pre, ext, strict=True):
+        seg = hist[p + offset:p + offset + e]
+        out[at:at + len(seg)] = seg
+        at += e
+    return out
+
+
 def chain_g_np(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """g(t, p) on int64 numpy arrays, as uint64 (callers check the range: 0 <= t, p < TOKEN_LIMIT)."""
     x = (positions.view(_U64) << _S32) | tokens.view(_U64)

@@ -15,6 +15,7 @@ from kvcanary.config import CanaryConfig
 from kvcanary.manager import CanaryManager, install
 from kvcanary.ops.types import SourceSpec
 from kvcanary.report import ReportSink, Violation, WindowReport
+from kvcanary.truth import new_token_truth
 
 from .batch import ForwardBatch, PoolKind
 from .engine import Engine
@@ -62,13 +63,15 @@ def _truth(batch: ForwardBatch) -> tuple[tuple[int, ...], ...]:
 def batch_view(batch: ForwardBatch) -> BatchView:
     """The kvcanary view of one engine forward (padding rows carry no request id and no token truth)."""
     pad = batch.num_padding
+    truth = (*_truth(batch), *([()] * pad))
     return BatchView(
         req_pool_indices=batch.req_pool_indices, prefix_lens=batch.prefix_lens, extend_lens=batch.extend_lens,
         req_to_token=batch.req_to_token, input_ids=batch.input_ids, positions=batch.positions,
         out_cache_loc=batch.out_cache_loc, request_ids=(*batch.req_ids, *([None] * pad)),
         req_pool_indices_host=batch.req_pool_indices_host, prefix_lens_host=batch.prefix_lens_host,
-        extend_lens_host=batch.extend_lens_host, true_tokens=(*_truth(batch), *([()] * pad)),
-        token_offset=batch.token_offset)
+        extend_lens_host=batch.extend_lens_host, true_tokens=truth, token_offset=batch.token_offset,
+        true_new_tokens=new_token_truth(truth, batch.prefix_lens_host, batch.extend_lens_host, batch.num_tokens,
+                                        batch.token_offset))
 
 
 def prefix_cache_export(engine: Engine, kind: PoolKind = PoolKind.TARGET) -> PrefixCacheExport | None:

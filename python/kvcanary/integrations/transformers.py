@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, overload
 
-import numpy as np
 import torch
 from kvcanary_schema import DEFAULT_REQ_CAPACITY, NO_SLOT, Group
 
@@ -23,6 +22,7 @@ from kvcanary.manager import CanaryManager
 from kvcanary.manager import install as install_manager
 from kvcanary.ops.types import SourceSpec
 from kvcanary.report import ReportSink, Violation, WindowReport
+from kvcanary.truth import new_token_truth
 
 logger = logging.getLogger("kvcanary")
 
@@ -128,17 +128,6 @@ class _History(Sequence[int]):
             return list(self._a[start:]) + list(self._b[:stop - na])
         k = i + len(self) if i < 0 else i
         return self._a[k] if k < na else self._b[k - na]
-
-
-def _new_tokens(truth: Sequence[Sequence[int]], pre: Sequence[int], ext: Sequence[int], n: int) -> np.ndarray:
-    """The true token of each new position, flat like input_ids (-1 past a history's end): the bulk token truth."""
-    out = np.full(n, -1, dtype=np.int64)
-    at = 0
-    for hist, p, e in zip(truth, pre, ext, strict=True):
-        seg = hist[p:p + e]
-        out[at:at + len(seg)] = seg
-        at += e
-    return out
 
 
 @dataclass(frozen=True)
@@ -279,7 +268,7 @@ class HFPoolAdapter:
         truth = [_History(r.state.initial_tokens, r.state.generated_tokens) for r in reqs]
         return BatchView(meta[0], meta[1], meta[2], self.req_to_token, io.input_ids[:n], io.position_ids[:n],
                          self.dense(io.write_index_storage[0, :n]), ids, rows, pre, ext, truth,
-                         true_new_tokens=_new_tokens(truth, pre, ext, n))
+                         true_new_tokens=new_token_truth(truth, pre, ext, n))
 
     def _read_slots(self, io: Any, reqs: Sequence[_Req], total: int, n: int) -> torch.Tensor:
         """Sparse slots of positions 0..prefix+extend-1 of every request, in batch order (what the attention reads)."""
