@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
-from kvcanary.truth import ChainHasher, fold
+from kvcanary.truth import ChainHasher, fold, new_token_truth
 from kvcanary_schema import CHAIN_ANCHOR, CHAIN_BASE, TOKEN_LIMIT
 
 
@@ -99,3 +99,10 @@ def test_bad_input() -> None:
     with pytest.raises(CanaryInputError, match="same length"):
         ch.extend_batch(["x"], [[1], [2]], [0])
     assert "b" not in ch and "c" not in ch
+
+
+def test_new_token_truth_is_flat_like_input_ids_with_the_offset() -> None:
+    """Hand-computed: row 0 continues at 2 with 2 tokens, row 1 (offset 1) runs past its history, row 2 is padding."""
+    hist = [(10, 11, 12, 13), (20, 21, 22), ()]
+    assert new_token_truth(hist, [2, 1, 0], [2, 3, 1], 6).tolist() == [12, 13, 21, 22, -1, -1]
+    assert new_token_truth(hist, [2, 1, 0], [2, 3, 1], 6, offset=1).tolist() == [13, -1, 22, -1, -1, -1]
