@@ -126,6 +126,26 @@ KVC_HD void verify_emit_input_error(const VerifyParams& P, const int64_t* seg, c
   }
 }
 
+// The fingerprint check of verify_check_record: selected (mode, share) and the stored value differs from `fp` (0 for
+// a position outside [0, TOKEN_LIMIT)).
+KVC_HD bool verify_fp_fails(const VerifyParams& P, const int64_t* seg, const VerifyEntry& e, const CanaryRecord& rec,
+                            uint64_t fp) {
+  if (!verify_wants_fp(P) || !verify_fp_selected(P, seg, e.position)) return false;
+  return static_cast<uint64_t>(rec.kv_fingerprint) != (chain_value_ok(e.position) ? fp : 0);
+}
+
+// Whether two records agree on every field verify_check_record checks except the fingerprint: then, given equal
+// predecessor links (verify_same_pred), their checks have the same outcome but for VERIFY_FINGERPRINT.
+KVC_HD bool same_chain_fields(const CanaryRecord& a, const CanaryRecord& b) {
+  return a.token == b.token && a.position == b.position && a.prev_hash == b.prev_hash;
+}
+
+// Whether the predecessor links the link check would compare against are the same for both halves.
+KVC_HD bool verify_same_pred(const VerifyEntry& e, const bool pred_ok[2], const uint64_t pred_link[2]) {
+  if (!e.has_pred || e.anchor) return true;  // no predecessor link is read
+  return pred_ok[0] == pred_ok[1] && (!pred_ok[0] || pred_link[0] == pred_link[1]);
+}
+
 // Checks of one kOk entry for half h; `fp` is the fresh fingerprint of (slot, position, h) when verify_wants_fp and
 // verify_fp_selected (computed by the caller: serially on the CPU, per lane or block-cooperatively on the GPU),
 // ignored otherwise (no fingerprint check, EXPECTED_FP = 0) and replaced by 0 when the position is outside
@@ -183,7 +203,7 @@ KVC_HD int64_t verify_check_record(const VerifyParams& P, const int64_t* seg, in
 
   const bool want_fp = verify_wants_fp(P) && verify_fp_selected(P, seg, e.position);
   if (!chain_value_ok(e.position)) fp = 0;  // as the fingerprint op: a position outside [0, TOKEN_LIMIT) hashes to 0
-  if (want_fp && static_cast<uint64_t>(r_fp) != fp) reasons |= bits(FailReason::VERIFY_FINGERPRINT);
+  if (verify_fp_fails(P, seg, e, rec, fp)) reasons |= bits(FailReason::VERIFY_FINGERPRINT);
 
   if (reasons != 0) {
     Violation v;

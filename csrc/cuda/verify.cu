@@ -97,7 +97,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // the block-cooperative fingerprint path, compiled only where it runs (the register-capped per-entry code of the
 // other modes keeps its registers).
 template <int kHalves, bool kBlockFp>
-__global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch L) {
+__global__ void __launch_bounds__(kVerifyThreads, kHalves == 2 ? 3 : 4) verify_kernel(VerifyLaunch L) {
   __shared__ int64_t s_off[kSmemSegments];  // ENTRY_OFFSET of every segment when they fit
   __shared__ int64_t s_reduce[3 * kVerifyThreads / kWarp];
   __shared__ int64_t s_total;
@@ -203,11 +203,18 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
         }
       }
     }
+    // A slot's V record normally repeats its K record's token, position and chain value (only the fingerprint
+    // differs): then V's link is K's, and its checks other than the fingerprint have K's outcome (see below).
+    // (Not on the ALL path: it is bound by the row reads, and the extra state spills there.)
+    const bool v_mirrors_k = halves == 2 && !block_fp && ok && same_chain_fields(rec[0], rec[1]);
     bool link_ok[MAX_HALVES] = {false, false};
     uint64_t link[MAX_HALVES] = {0, 0};
     if (ok) {
-#pragma unroll
-      for (int64_t h = 0; h < halves; ++h) link_ok[h] = record_link(rec[h], &link[h]);
+      link_ok[0] = record_link(rec[0], &link[0]);
+      if (halves == 2) {
+        link_ok[1] = v_mirrors_k ? link_ok[0] : record_link(rec[1], &link[1]);
+        if (v_mirrors_k) link[1] = link[0];
+      }
     }
     uint64_t pred_link[MAX_HALVES];
     bool pred_ok[MAX_HALVES];
@@ -238,12 +245,27 @@ __global__ void __launch_bounds__(kVerifyThreads, 4) verify_kernel(VerifyLaunch 
         for (int64_t h = 0; h < halves; ++h) fpv[h] = fp_finalize(s_fp_acc[mine * MAX_HALVES + h], ent.position);
       }
     }
+    // V's full check is skipped when it mirrors a K entry that passed every non-fingerprint check with the same
+    // predecessor link: its outcome is then K's (clean) but for the fingerprint, checked here. Rows and counts are
+    // those of the full check (the rare failing case runs it).
+    const bool v_may_mirror = v_mirrors_k && verify_same_pred(ent, pred_ok, pred_link);
+    int64_t k_reasons = 0;
 #pragma unroll 1  // one copy of the check code (a register-tight kernel); the records are all in flight by now
     for (int64_t h = 0; h < halves; ++h) {
+      // Selects, not rec[h]: a runtime index into the per-half arrays would place them in local memory.
+      const bool v = h == 1;
       const uint64_t fp = fp_here && !block_fp ? fingerprint_thread(P.fp.table, P.fp.n_sources, h, ent.slot.slot,
                                                                     ent.position, P.fp.mode, P.fp.layer_stride)
-                                               : fpv[h];
-      if (ok) verify_check_record(P, seg, idx, ent, h, rec[h], pred_ok[h], pred_link[h], fp);
+                                               : (v ? fpv[1] : fpv[0]);
+      if (!ok) continue;
+      const CanaryRecord r_h = v ? rec[1] : rec[0];
+      if (v && v_may_mirror && (k_reasons & ~bits(FailReason::VERIFY_FINGERPRINT)) == 0 &&
+          !verify_fp_fails(P, seg, ent, r_h, fp)) {
+        continue;
+      }
+      const int64_t r = verify_check_record(P, seg, idx, ent, h, r_h, v ? pred_ok[1] : pred_ok[0],
+                                            v ? pred_link[1] : pred_link[0], fp);
+      if (!v) k_reasons = r;
     }
   }
   int64_t counts[3] = {checked, skipped, errors};

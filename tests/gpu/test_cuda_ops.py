@@ -235,6 +235,28 @@ def test_large_bracket_matches_reference(k: int) -> None:
     assert_brackets_equal(got, ref, f"case {k}")
 
 
+@pytest.mark.parametrize("fp_mode", [None, FingerprintMode.PARTIAL])
+def test_v_only_damage_matches_reference(fp_mode: FingerprintMode | None) -> None:
+    """K+V: V records that no longer mirror K (each field), a damaged V predecessor, a K failure beside a clean V, a
+    V-only KV flip: the CUDA verify's V shortcut (V mirrors K) must give the reference's rows exactly."""
+    b = make_batch(31, bs=24, prefix=300, ext=1, halves=2, corrupt=0, pool=True, expect=True, fp_mode=fp_mode,
+                   fp_bytes=64)
+    rng = random.Random(5)
+    slots = b.table[:, :300].reshape(-1).tolist()
+    for field in range(4):  # token, position, prev_hash, fingerprint of the V half
+        for buf in (b.head, b.tail):
+            buf.records[rng.choice(slots), 1, field] += 1 + field
+    b.tail.records[rng.choice(slots), 0, 2] ^= 1  # K damaged, V clean: V takes the full check
+    nxt = int(b.table[3, 11])  # V damaged in the predecessor only: slot 11's V link differs from K's
+    b.tail.records[int(b.table[3, 10]), 1, 0] += 7
+    if b.fp is not None:
+        b.fp.sources.rows[1][0][nxt, 0] ^= 4  # V's KV bytes (the partial 16) of one slot
+    ref = run_bracket(b, "torch")
+    got = run_bracket(b, "cuda")
+    assert_brackets_equal(got, ref, f"V-only damage, fp {fp_mode}")
+    assert int(ref["sink"].count[0]) >= 9
+
+
 def test_clean_large_bracket_reports_nothing() -> None:
     b = make_batch(7, bs=4, prefix=[0, 5000, 17, 1024], ext=[3000, 1, 2000, 9000], corrupt=0, expect=True, pool=True,
                    fp_mode=FingerprintMode.ALL, fp_bytes=512)
