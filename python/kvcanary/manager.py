@@ -132,6 +132,8 @@ class CanaryManager:
         if kind == ForwardKind.REPLAY and key not in self._captured:
             raise CanaryBracketError(f"replay of a batch shape (bs={bs}, tokens={nt}) / slot table that was "
                                      "never captured")
+        if self.reporter.alarmed():  # CUDA: rows of an earlier forward whose count arrived since its end_forward
+            self.reporter.stage(self.forwards)
         self.reporter.collect(block=False)
         step = self.forwards + 1
         if kind != ForwardKind.CAPTURE:
@@ -180,7 +182,9 @@ class CanaryManager:
     def end_forward(self) -> WindowReport | None:
         """Host part after the forward: post-forward perturbation, sweep when due, staging of the window.
 
-        Returns the report of a window collected now (CPU: this forward's window; CUDA: an earlier one).
+        A window is staged when this forward ends one of ``report_interval`` forwards, or at once when violation rows
+        were emitted (CPU: by this forward; CUDA: by an earlier one, once its ring count has arrived). Returns the
+        report of a window collected now (CPU: this forward's window; CUDA: an earlier one).
         """
         if not self.enabled:
             return None
@@ -201,10 +205,11 @@ class CanaryManager:
         elif self._rolling:
             self._roll()
         self._prune(self.forwards)
-        if self.forwards % self.config.report_interval == 0:
+        # a window with violation rows is staged at once; clean ones (health, metrics, stats) every report_interval
+        if self.reporter.alarmed() or self.forwards % self.config.report_interval == 0:
             self.reporter.stage(self.forwards)
-            return self.reporter.collect(block=self.device.type != "cuda")
-        return None
+        self.reporter.watch()
+        return self.reporter.collect(block=self.device.type != "cuda")
 
     @contextmanager
     def forward(self, batch: BatchView, kind: ForwardKind | str = ForwardKind.EAGER) -> Iterator[CanaryManager]:
