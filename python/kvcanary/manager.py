@@ -126,7 +126,7 @@ class CanaryManager:
         kind = ForwardKind(kind)
         if kind == ForwardKind.CAPTURE and self.device.type != "cuda":
             raise CanaryBracketError("kind='capture' needs a CUDA device")
-        batch.validate(self.pool, self.config.req_capacity, self.config.token_capacity)
+        batch.validate(self.pool, self.config.req_capacity, self.config.token_capacity, self.device)
         bs, nt, table = batch.batch_size, batch.num_tokens, batch.req_to_token
         key = (bs, nt, table.data_ptr())
         if kind == ForwardKind.REPLAY and key not in self._captured:
