@@ -209,7 +209,7 @@ class CanaryManager:
         if self.reporter.alarmed() or self.forwards % self.config.report_interval == 0:
             self.reporter.stage(self.forwards)
         self.reporter.watch()
-        return self.reporter.collect(block=self.device.type != "cuda")
+        return self.reporter.collect(block=self.device.type != "cuda") if self.reporter.pending else None
 
     @contextmanager
     def forward(self, batch: BatchView, kind: ForwardKind | str = ForwardKind.EAGER) -> Iterator[CanaryManager]:
