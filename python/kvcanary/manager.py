@@ -134,9 +134,10 @@ class CanaryManager:
                                      "never captured")
         if self.reporter.alarmed():  # CUDA: rows of an earlier forward whose count arrived since its end_forward
             self.reporter.stage(self.forwards)
-        self.reporter.collect(block=False)
+        if self.reporter.pending:
+            self.reporter.collect(block=False)
         step = self.forwards + 1
-        if kind != ForwardKind.CAPTURE:
+        if kind != ForwardKind.CAPTURE and self.perturber.enabled:
             wants = (self._sweep_due(step) or self._rolling) and self.perturber.wants_export()
             self.perturber.before_forward(batch, step, self._export() if wants else None)
         capture = kind == ForwardKind.CAPTURE
@@ -199,7 +200,8 @@ class CanaryManager:
         self.forwards += 1
         self.health.expected_forwards += 1
         self.health.expect_all(self._launches[replay or self._reuse])
-        self.perturber.after_forward(self._batch, self.forwards)
+        if self.perturber.enabled:
+            self.perturber.after_forward(self._batch, self.forwards)
         if self._sweep_due(self.forwards):
             self.sweep()
         elif self._rolling:

@@ -94,8 +94,7 @@ class Upload:
         self._seen(keys, live, pre, step, capture, out[4])
         if self.stripes is not None:
             self._stripe_ends(keys, live, pre, capture, out[3])
-        self._truth(batch, rows, keys, live, pre, ext, out)
-        self.mask_needed = not all_set(out[2] == KEEP_ALL)
+        self.mask_needed = self._truth(batch, rows, keys, live, pre, ext, out)
         _, dev, host = self._slices(bs, batch.num_tokens)
         dev.copy_(host[k], non_blocking=True)
         if self.state.device.type == "cuda":
@@ -126,14 +125,15 @@ class Upload:
             out[i] = self.stripes.end(keys[i], int(pre[i]), cov)
 
     def _truth(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray,
-               ext: np.ndarray, out: np.ndarray) -> None:
-        """EXPECT_PREFIX / EXPECT_NEW values and flag mask (CHAIN), or the token pool rows (POOL)."""
+               ext: np.ndarray, out: np.ndarray) -> bool:
+        """EXPECT_PREFIX / EXPECT_NEW values and flag mask (CHAIN), or the token pool rows (POOL); whether the mask
+        drops a flag of any row."""
         cfg = self.config
         if cfg.token_truth != TokenTruth.CHAIN:
             out[:2], out[2] = 0, NO_PREFIX & NO_NEW
             if cfg.token_truth == TokenTruth.POOL and batch.true_tokens is not None:
                 self._pool_truth(batch, rows, keys, live, pre, ext)
-            return
+            return bool(out.shape[1] > 0)
         offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
         if offset != self.chains.offset:
             self.chains = RowChains(self.pool.req_rows, offset, self._step)
@@ -149,8 +149,9 @@ class Upload:
         drop_new = live & ~t.new_known
         if np.count_nonzero(drop_pre) or np.count_nonzero(drop_new):
             out[2] = np.where(drop_pre, NO_PREFIX, KEEP_ALL) & np.where(drop_new, NO_NEW, KEEP_ALL)
-        else:  # everything known (a steady decode): no selects
-            out[2] = KEEP_ALL
+            return True
+        out[2] = KEEP_ALL  # everything known (a steady decode): no selects
+        return False
 
     def _pool_truth(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray,
                     pre: np.ndarray, ext: np.ndarray) -> None:
