@@ -11,7 +11,7 @@ import torch
 from kvcanary_schema import Group
 
 from kvcanary.errors import CanaryInputError
-from kvcanary.ops.types import SourceSpec, check_tensor
+from kvcanary.ops.types import SourceSpec, check_tensor, check_tensors
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -161,30 +161,31 @@ class BatchView:
         """New tokens of the forward (a shape, no sync)."""
         return int(self.input_ids.shape[0])
 
-    def validate(self, pool: PoolDescription, req_capacity: int, token_capacity: int) -> None:
-        """Raise CanaryInputError for a batch that does not fit the pool or the installed capacities."""
-        device = pool.resolved_device
+    def validate(self, pool: PoolDescription, req_capacity: int, token_capacity: int,
+                 device: torch.device | None = None) -> None:
+        """Raise CanaryInputError for a batch that does not fit the pool or the installed capacities (``device``: the
+        pool's resolved device, when the caller holds it)."""
+        device = pool.resolved_device if device is None else device
         bs = self.batch_size
         if bs > req_capacity:
             raise CanaryInputError(f"batch has {bs} requests, the canary was installed for req_capacity={req_capacity}")
-        for name in ("req_pool_indices", "prefix_lens", "extend_lens"):
-            check_tensor(getattr(self, name), f"batch.{name}", dtype=_INDEX_DTYPES, ndim=1, device=device,
-                         shape=(bs,))
+        check_tensors((("batch.req_pool_indices", self.req_pool_indices), ("batch.prefix_lens", self.prefix_lens),
+                       ("batch.extend_lens", self.extend_lens)), dtype=_INDEX_DTYPES, shape=(bs,), device=device)
         n = self.num_tokens
         if n > token_capacity:
             raise CanaryInputError(f"batch has {n} tokens, the canary was installed for "
                                    f"token_capacity={token_capacity}")
-        for name in ("input_ids", "positions", "out_cache_loc"):
-            check_tensor(getattr(self, name), f"batch.{name}", dtype=_INDEX_DTYPES, ndim=1, device=device, shape=(n,))
+        check_tensors((("batch.input_ids", self.input_ids), ("batch.positions", self.positions),
+                       ("batch.out_cache_loc", self.out_cache_loc)), dtype=_INDEX_DTYPES, shape=(n,), device=device)
         table = check_tensor(self.req_to_token, "batch.req_to_token", dtype=_INDEX_DTYPES, ndim=2, device=device)
         if table.shape[1] != pool.table_cols or table.shape[0] > pool.req_rows:
             raise CanaryInputError(f"batch.req_to_token has shape {tuple(table.shape)}, the pool's slot table is "
                                    f"[<= {pool.req_rows}, {pool.table_cols}]")
-        for name in ("request_ids", "prefix_lens_host", "extend_lens_host"):
-            if len(getattr(self, name)) != bs:
-                raise CanaryInputError(f"batch.{name} has {len(getattr(self, name))} entries, batch size is {bs}")
-        for name in ("true_tokens", "expected_chains"):
-            value = getattr(self, name)
+        for name, given in (("request_ids", self.request_ids), ("prefix_lens_host", self.prefix_lens_host),
+                            ("extend_lens_host", self.extend_lens_host)):
+            if len(given) != bs:
+                raise CanaryInputError(f"batch.{name} has {len(given)} entries, batch size is {bs}")
+        for name, value in (("true_tokens", self.true_tokens), ("expected_chains", self.expected_chains)):
             if value is not None and len(value) != bs:
                 raise CanaryInputError(f"batch.{name} has {len(value)} entries, batch size is {bs}")
         if self.true_new_tokens is not None and len(self.true_new_tokens) != n:

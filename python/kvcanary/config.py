@@ -24,6 +24,9 @@ from kvcanary.errors import CanaryInputError
 from kvcanary.ops.types import is_power_of_two
 
 ENV_PREFIX = "KVCANARY_"
+# Clean windows are cheap to skip and a violation never waits for one (docs/defaults.md): a skipped launch or a graph
+# without the canary ops shows within this many forwards.
+DEFAULT_REPORT_INTERVAL = 16
 
 
 # Which fault classes only token truth (TokenTruth.CHAIN or POOL) can catch, and the check that does: a
@@ -149,7 +152,10 @@ class CanaryConfig:
     # token's (row, position), padding rows may write only reserved slots (docs/ops-contract.md 5)
     structural_check: bool = True
     ring_capacity: int = DEFAULT_RING_CAPACITY
-    report_interval: int = 1  # forwards per reporting window
+    # Forwards per clean reporting window (health and watchdog checks, metrics, stats line): the per-forward host cost
+    # of staging and decoding a window divides by it. Violation rows are staged at once whatever it is (CPU: reported
+    # by the violating forward's end_forward; CUDA: once the ring count copied out after it arrives).
+    report_interval: int = DEFAULT_REPORT_INTERVAL
     stats_interval: int = DEFAULT_STATS_INTERVAL  # forwards between stats lines; 0 = off
     watchdog: bool = True
     log_rate_limit: int = 20  # LOG mode: at most this many violation lines per reporting window

@@ -62,6 +62,7 @@ class Health:
         self.stats_counters = np.zeros((NUM_LAUNCH_TAGS, NUM_COUNTER_COLS), dtype=np.int64)
         self.problems: list[HealthProblem] = []
         self.last_stats_line: str | None = None
+        self._stats_step = 0  # last step of the window that printed the last stats line
 
     def expect(self, tag: int, verify_runs: int = 0, write_runs: int = 0) -> None:
         """Record launches the host issued (or that a replayed graph must have run)."""
@@ -93,9 +94,13 @@ class Health:
         return found
 
     def stats(self, step: int, counters: np.ndarray, sweeps_completed: int, violations_total: int) -> str | None:
-        """The periodic stats line (coverage over the window, not a running sum), or None when not due."""
-        if self.stats_interval == 0 or step % self.stats_interval != 0:
+        """The periodic stats line (coverage over the window, not a running sum), or None when not due: due for the
+        first reporting window that ends at or past each multiple of ``stats_interval`` (windows of several forwards
+        rarely end on one)."""
+        iv = self.stats_interval
+        if iv == 0 or step // iv == self._stats_step // iv:
             return None
+        self._stats_step = step
         delta = counters - self.stats_counters
         self.stats_counters = counters.copy()
         checked = int(delta[:, CounterCol.ENTRIES_CHECKED].sum())

@@ -126,15 +126,18 @@ class CanaryManager:
         kind = ForwardKind(kind)
         if kind == ForwardKind.CAPTURE and self.device.type != "cuda":
             raise CanaryBracketError("kind='capture' needs a CUDA device")
-        batch.validate(self.pool, self.config.req_capacity, self.config.token_capacity)
+        batch.validate(self.pool, self.config.req_capacity, self.config.token_capacity, self.device)
         bs, nt, table = batch.batch_size, batch.num_tokens, batch.req_to_token
         key = (bs, nt, table.data_ptr())
         if kind == ForwardKind.REPLAY and key not in self._captured:
             raise CanaryBracketError(f"replay of a batch shape (bs={bs}, tokens={nt}) / slot table that was "
                                      "never captured")
-        self.reporter.collect(block=False)
+        if self.reporter.alarmed():  # CUDA: rows of an earlier forward whose count arrived since its end_forward
+            self.reporter.stage(self.forwards)
+        if self.reporter.pending:
+            self.reporter.collect(block=False)
         step = self.forwards + 1
-        if kind != ForwardKind.CAPTURE:
+        if kind != ForwardKind.CAPTURE and self.perturber.enabled:
             wants = (self._sweep_due(step) or self._rolling) and self.perturber.wants_export()
             self.perturber.before_forward(batch, step, self._export() if wants else None)
         capture = kind == ForwardKind.CAPTURE
@@ -180,7 +183,9 @@ class CanaryManager:
     def end_forward(self) -> WindowReport | None:
         """Host part after the forward: post-forward perturbation, sweep when due, staging of the window.
 
-        Returns the report of a window collected now (CPU: this forward's window; CUDA: an earlier one).
+        A window is staged when this forward ends one of ``report_interval`` forwards, or at once when violation rows
+        were emitted (CPU: by this forward; CUDA: by an earlier one, once its ring count has arrived). Returns the
+        report of a window collected now (CPU: this forward's window; CUDA: an earlier one).
         """
         if not self.enabled:
             return None
@@ -195,16 +200,18 @@ class CanaryManager:
         self.forwards += 1
         self.health.expected_forwards += 1
         self.health.expect_all(self._launches[replay or self._reuse])
-        self.perturber.after_forward(self._batch, self.forwards)
+        if self.perturber.enabled:
+            self.perturber.after_forward(self._batch, self.forwards)
         if self._sweep_due(self.forwards):
             self.sweep()
         elif self._rolling:
             self._roll()
         self._prune(self.forwards)
-        if self.forwards % self.config.report_interval == 0:
+        # a window with violation rows is staged at once; clean ones (health, metrics, stats) every report_interval
+        if self.reporter.alarmed() or self.forwards % self.config.report_interval == 0:
             self.reporter.stage(self.forwards)
-            return self.reporter.collect(block=self.device.type != "cuda")
-        return None
+        self.reporter.watch()
+        return self.reporter.collect(block=self.device.type != "cuda") if self.reporter.pending else None
 
     @contextmanager
     def forward(self, batch: BatchView, kind: ForwardKind | str = ForwardKind.EAGER) -> Iterator[CanaryManager]:

@@ -87,6 +87,15 @@ class Reporter:
                       for i in range(2)]
         self._host_np = [h.numpy() for h in self._host]
         self._events: list[Any] = [None, None]
+        # The alarm: the ring count (rows emitted since the last staging; it only grows until the next one). CPU: a
+        # view of the live count. CUDA: copied out after each forward into one of two pinned slots, each tagged with
+        # the number of stagings before it, so that a copy taken before a staging never re-raises its rows.
+        self.stagings = 0
+        self._count = state.sink.count.numpy() if d.type != "cuda" else None
+        self._alarm_host = torch.zeros(2, dtype=torch.int64, pin_memory=d.type == "cuda")
+        self._alarm_np = self._alarm_host.numpy()
+        self._alarm_events: list[Any] = [None, None]
+        self._alarm_tags = [0, 0]
         # the owner's bookkeeping of a collected window (sweeps completed, metrics, stats line): (report, snapshot,
         # sweeps staged in the window)
         self.on_report: Callable[[WindowReport, Snapshot, int], None] | None = None
@@ -109,17 +118,45 @@ class Reporter:
                                      self.health.expected_forwards, self.sweeps_staged))
         self.sweeps_staged = 0
         self.window_first = forwards + 1
+        self.stagings += 1
+
+    def alarmed(self) -> bool:
+        """Whether violation rows were emitted since the last staging: CPU as of now, CUDA as of the latest forward
+        whose count copy has arrived (never waits)."""
+        if self._count is not None:
+            return bool(self._count[0])
+        hit = False
+        for j, ev in enumerate(self._alarm_events):
+            if ev is not None and ev.query():
+                self._alarm_events[j] = None
+                hit |= self._alarm_tags[j] == self.stagings and bool(self._alarm_np[j])
+        return hit
+
+    def watch(self) -> None:
+        """CUDA: copy the ring count after the work queued so far to a free pinned slot on the side stream (slots are
+        freed by :meth:`alarmed`)."""
+        if self._count is not None:
+            return
+        if None not in self._alarm_events:  # both in flight: a later forward's copy covers this one (the count only
+            return                          # grows until a staging, which snapshots the rows first)
+        j = self._alarm_events.index(None)
+        self._alarm_tags[j] = self.stagings
+        self._alarm_events[j] = self._side_copy(self._alarm_host[j:j + 1], self.state.sink.count)
 
     def _copy_out(self, k: int) -> Any:
         """CUDA: the snapshot to pinned host memory on the side stream, and its event; CPU: True (already there)."""
-        st = self.state
-        if st.device.type != "cuda":
+        if self.state.device.type != "cuda":
             return True
+        return self._side_copy(self._host[k], self._dev[k])
+
+    def _side_copy(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """``src`` (device) to ``dst`` (pinned) on the side stream after the main stream's work so far; its event."""
+        st = self.state
         if st.stream is None:
             raise KVCanaryInternalError("stream is unset: an invariant of the bracket was broken")
         st.stream.wait_stream(torch.cuda.current_stream(st.device))
         with torch.cuda.stream(st.stream):
-            self._host[k].copy_(self._dev[k], non_blocking=True)
+            dst.copy_(src, non_blocking=True)
             e = torch.cuda.Event()  # type: ignore[no-untyped-call]
             e.record(st.stream)
         return e

@@ -1,4 +1,4 @@
-"""Device state allocated once at install: records, plans, sink, staging, static batch buffers, token pool."""
+"""Device state allocated once at install: records, plans, sink, static batch buffers, token pool."""
 
 from __future__ import annotations
 
@@ -54,18 +54,6 @@ class GroupState:
     def views(self, stage: Stage) -> GroupView:
         """Records of a stage (SWEEP reuses TAIL)."""
         return self.head if stage == Stage.HEAD else self.tail
-
-
-@dataclass
-class Staging:
-    """One snapshot of the device counters taken at the end of a reporting window (host side once copied)."""
-
-    counters: torch.Tensor  # [NUM_LAUNCH_TAGS, NUM_COUNTER_COLS]
-    count: torch.Tensor  # [1]
-    rows: torch.Tensor  # [ring capacity, NUM_VIOLATION_COLS]
-    phase: torch.Tensor  # [2]
-    plan_status: torch.Tensor  # [groups, NUM_PLAN_STATUS_COLS]: max over the window's forwards
-    event: object | None = None  # torch.cuda.Event on CUDA
 
 
 class CanaryState:
@@ -125,7 +113,6 @@ class CanaryState:
                                         pool.token_offset)
             self.scatter_status = _i64(1, device=d)
         pin = d.type == "cuda"
-        self.staging = [self._staging(pin) for _ in range(2)]
         self.upload = [torch.zeros(UPLOAD_ROWS, rc, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         # rolling sweep scratch: table slot -> flat export index / chain (last entry: where bad slots land)
         self.sweep_inv = _i64(pool.num_slots + 1, device=d)
@@ -162,12 +149,6 @@ class CanaryState:
         return GroupState(
             spec, head, tail, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), _i64(NUM_PLAN_STATUS_COLS, device=d),
             *plan_buffers(stripe), fp, seal, *plan_buffers(reuse))
-
-    def _staging(self, pin: bool) -> Staging:
-        def host(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=torch.int64, pin_memory=pin)
-        return Staging(host(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS), host(1), host(self.config.ring_capacity,
-                       NUM_VIOLATION_COLS), host(2), host(len(self.groups), NUM_PLAN_STATUS_COLS))
 
     def transfer_buffers(self) -> list[TransferBuffer]:
         """The canary records to send with the KV in a prefill->decode transfer, indexable by slot."""

@@ -17,7 +17,7 @@ from kvcanary.health import Health
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.state import CanaryState
 from kvcanary.stripes import Stripes
-from kvcanary.truth import BatchTruth, RowChains
+from kvcanary.truth import BatchTruth, RowChains, all_set
 
 KEEP_ALL = -1  # flag mask keeping every PlanFlag bit
 NO_PREFIX = ~int(PlanFlag.EXPECT_PREFIX)
@@ -27,6 +27,8 @@ NO_NEW = ~int(PlanFlag.EXPECT_NEW)
 def host_i64(values: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
     """A host int64 numpy array of batch facts given as a list, an array or a CPU tensor (no copy when possible)."""
     if isinstance(values, torch.Tensor):
+        if values.dtype == torch.int64 and values.is_cpu:  # viewed as is: an integer tensor never requires grad
+            return values.numpy()
         return values.detach().to("cpu", torch.int64).numpy()
     return np.asarray(values, dtype=np.int64)
 
@@ -92,8 +94,7 @@ class Upload:
         self._seen(keys, live, pre, step, capture, out[4])
         if self.stripes is not None:
             self._stripe_ends(keys, live, pre, capture, out[3])
-        self._truth(batch, rows, keys, live, pre, ext, out)
-        self.mask_needed = bool((out[2] != KEEP_ALL).any())
+        self.mask_needed = self._truth(batch, rows, keys, live, pre, ext, out)
         _, dev, host = self._slices(bs, batch.num_tokens)
         dev.copy_(host[k], non_blocking=True)
         if self.state.device.type == "cuda":
@@ -104,7 +105,7 @@ class Upload:
     def _seen(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, step: int, capture: bool,
               reuse_end: np.ndarray) -> None:
         """Last-seen steps; a request's first forward verifies its whole reused prefix (reuse end = prefix)."""
-        every = bool(live.all())
+        every = all_set(live)
         ids = keys.tolist() if every else keys[live].tolist()
         new = set(ids).difference(self.last_seen)
         self.any_new = bool(new) and not capture
@@ -124,14 +125,15 @@ class Upload:
             out[i] = self.stripes.end(keys[i], int(pre[i]), cov)
 
     def _truth(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray,
-               ext: np.ndarray, out: np.ndarray) -> None:
-        """EXPECT_PREFIX / EXPECT_NEW values and flag mask (CHAIN), or the token pool rows (POOL)."""
+               ext: np.ndarray, out: np.ndarray) -> bool:
+        """EXPECT_PREFIX / EXPECT_NEW values and flag mask (CHAIN), or the token pool rows (POOL); whether the mask
+        drops a flag of any row."""
         cfg = self.config
         if cfg.token_truth != TokenTruth.CHAIN:
             out[:2], out[2] = 0, NO_PREFIX & NO_NEW
             if cfg.token_truth == TokenTruth.POOL and batch.true_tokens is not None:
                 self._pool_truth(batch, rows, keys, live, pre, ext)
-            return
+            return bool(out.shape[1] > 0)
         offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
         if offset != self.chains.offset:
             self.chains = RowChains(self.pool.req_rows, offset, self._step)
@@ -145,7 +147,11 @@ class Upload:
         out[0], out[1] = t.expect_prefix, t.expect_new
         drop_pre = live & (pre > 0) & ~t.prefix_known
         drop_new = live & ~t.new_known
-        out[2] = np.where(drop_pre, NO_PREFIX, KEEP_ALL) & np.where(drop_new, NO_NEW, KEEP_ALL)
+        if np.count_nonzero(drop_pre) or np.count_nonzero(drop_new):
+            out[2] = np.where(drop_pre, NO_PREFIX, KEEP_ALL) & np.where(drop_new, NO_NEW, KEEP_ALL)
+            return True
+        out[2] = KEEP_ALL  # everything known (a steady decode): no selects
+        return False
 
     def _pool_truth(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray,
                     pre: np.ndarray, ext: np.ndarray) -> None:

@@ -85,3 +85,36 @@ def test_transfer_buffers() -> None:
         check_transfer_buffers([("x", a), ("x", a)])
     with pytest.raises(CanaryInputError, match="differ in names"):
         copy_transfer([("x", a)], torch.tensor([1]), [("y", b)], torch.tensor([1]))
+
+
+_BATCH_TENSORS = ["req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc"]
+
+
+def _bad_forms(t: torch.Tensor) -> list[object]:
+    """Wrong dtype, rank, length, device, layout and type of one batch tensor."""
+    wide = torch.stack([t, t], 1)
+    return [t.float(), t[:, None], t[:-1], t.to("meta"), wide[:, 0], t.tolist()]
+
+
+@pytest.mark.parametrize("field", _BATCH_TENSORS)
+def test_begin_forward_raises_check_tensors_error_before_any_launch(field: str) -> None:
+    """Each bad form of each batch tensor raises exactly check_tensor's error, from begin_forward, before a launch."""
+    from kvcanary.ops.types import check_tensor
+
+    from .helpers import setup, step
+    eng, m = setup(n_reqs=2, prompt_len=3)
+    step(eng, m)
+    b = eng.batch()
+    want_shape = (b.batch_size,) if field in _BATCH_TENSORS[:3] else (b.num_tokens,)
+    counters = m.state.sink.counters.clone()
+    # input_ids defines the token count: a shorter one is reported against positions, a list has no shape
+    forms = _bad_forms(getattr(b, field))
+    for bad in forms if field != "input_ids" else forms[:2] + forms[3:5]:
+        with pytest.raises(CanaryInputError) as want:
+            check_tensor(bad, f"batch.{field}", dtype=(torch.int32, torch.int64), ndim=1, device=torch.device("cpu"),
+                         shape=want_shape)
+        with pytest.raises(CanaryInputError) as got:
+            m.begin_forward(dataclasses.replace(b, **{field: bad}))
+        assert str(got.value) == str(want.value)
+    assert torch.equal(m.state.sink.counters, counters) and m.forwards == 1  # nothing ran
+    m.begin_forward(b)  # the manager stays usable

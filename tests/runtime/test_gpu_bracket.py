@@ -32,16 +32,18 @@ def _eager(eng: FakeEngine, m: CanaryManager) -> None:
     m.end_forward()
 
 
-def _corrupt(eng: FakeEngine, m: CanaryManager, k: int) -> None:
+def _corrupt(eng: FakeEngine, m: CanaryManager, k: int, sign: int = 1) -> None:
+    """Shift the stored position of one prefix slot (``sign`` -1: shift it back)."""
     r = eng.reqs[f"r{k % N_REQS}"]
     slot = int(eng.req_to_token[r.row, k % 5])
-    m.state.groups[0].tail.records[slot, 0, RecordField.POSITION] += 1000 + k
+    m.state.groups[0].tail.records[slot, 0, RecordField.POSITION] += sign * (1000 + k)
 
 
 @pytest.mark.parametrize("cfg", [{}, {"fingerprint": "all"}, {"coverage": "window", "stripe_size": 3},
                                  {"token_truth": "pool", "input_asserts": True}])
 def test_graph_replay_equals_eager(cfg: dict[str, object]) -> None:
     steps = 24
+    cfg = {"report_interval": 1, **cfg}  # a window per forward: the per-window totals below compare forwards
     ea, ma = _make(cfg)
     eb, mb = _make(cfg)
     for e, m in ((ea, ma), (eb, mb)):
@@ -137,3 +139,41 @@ def test_no_allocations_or_syncs_in_device_parts() -> None:
     eng.forward(b)
     m.end_forward()
     assert after == before
+
+
+def test_violation_window_is_staged_when_its_ring_count_arrives() -> None:
+    eng, m = _make({})  # report_interval 16
+    for _ in range(5):
+        _eager(eng, m)
+    _corrupt(eng, m, 3)
+    _eager(eng, m)  # forward 6 emits rows; its end_forward copies the ring count out
+    _corrupt(eng, m, 3, -1)
+    torch.cuda.synchronize()
+    _eager(eng, m)  # forward 7's begin_forward sees the count (if forward 6's end did not) and stages 1..6
+    assert m.reporter.stagings == 1
+    m.flush()
+    bad = [r for r in m.reports if r.total]
+    assert [(r.first_step, r.last_step) for r in bad] == [(1, 6)]
+    assert {v.step for v in bad[0].violations} == {6}
+    assert not m.health.problems
+
+
+def test_alarm_windows_lose_no_rows_and_stage_no_empty_windows() -> None:
+    """Bad forwards in pairs, no syncs: every staged window has rows or ends a report_interval (or is the flush's), and
+    the windows' totals add up to the device's violation counters (a stale count would stage an empty window)."""
+    eng, m = _make({})
+    for k in range(40):
+        bad = k % 9 in (4, 5)
+        if bad:
+            _corrupt(eng, m, k)
+        _eager(eng, m)
+        if bad:
+            _corrupt(eng, m, k, -1)
+    m.flush()
+    torch.cuda.synchronize()
+    windows = list(m.reports)
+    assert windows[0].first_step == 1 and windows[-1].last_step == 40
+    assert all(a.last_step + 1 == b.first_step for a, b in zip(windows, windows[1:], strict=False))
+    assert all(r.total or r.last_step % 16 == 0 for r in windows[:-1])
+    assert sum(r.total for r in windows) == int(m.state.sink.counters[:, CounterCol.VIOLATIONS].sum()) > 0
+    assert not m.health.problems

@@ -40,8 +40,9 @@ def test_watchdog_trips_when_a_launch_is_skipped_raise(monkeypatch: pytest.Monke
     eng, m = setup(n_reqs=2, mode="raise")
     run(eng, m, 2)
     _skip_tail_verify_once(monkeypatch, m)
-    with pytest.raises(CanaryHealthError, match="TAIL_K_FULL"):
+    with pytest.raises(CanaryHealthError, match="TAIL_K_FULL"):  # at the end of the (clean) window
         step(eng, m)
+        m.flush()
 
 
 def test_watchdog_log_mode_warns_only(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -50,6 +51,7 @@ def test_watchdog_log_mode_warns_only(monkeypatch: pytest.MonkeyPatch, caplog: p
     _skip_tail_verify_once(monkeypatch, m)
     with caplog.at_level(logging.WARNING, logger="kvcanary"):
         step(eng, m)
+        m.flush()
     assert [p.kind for p in m.health.problems] == ["watchdog"]
     assert any("launch was skipped" in r.message for r in caplog.records)
 
@@ -66,17 +68,19 @@ def test_phase_check_detects_forward_without_canary_ops() -> None:
     m.state.phase[1] -= 1  # as if a replayed graph had lacked the post-forward canary ops
     with pytest.raises(CanaryHealthError, match="phase check"):
         step(eng, m)
+        m.flush()
 
 
 def test_stats_line_reports_coverage(caplog: pytest.LogCaptureFixture) -> None:
-    eng, m = setup(n_reqs=2, prompt_len=20, stats_interval=2, coverage="window", stripe_size=2, window_links=1)
+    eng, m = setup(n_reqs=2, prompt_len=20, stats_interval=2, report_interval=2, coverage="window", stripe_size=2,
+                   window_links=1)
     with caplog.at_level(logging.INFO, logger="kvcanary"):
         run(eng, m, 4)
     lines = [r.message for r in caplog.records if r.message.startswith("kvcanary stats:")]
     assert len(lines) == 2
     cov = float(lines[-1].split("coverage=")[1].split()[0])
     assert 0.0 < cov < 1.0  # window policy: part of the live slots per stats window
-    eng2, m2 = setup(n_reqs=2, prompt_len=20, stats_interval=2)
+    eng2, m2 = setup(n_reqs=2, prompt_len=20, stats_interval=2, report_interval=2)
     with caplog.at_level(logging.INFO, logger="kvcanary"):
         caplog.clear()
         run(eng2, m2, 2)
@@ -93,4 +97,14 @@ def test_overflow_and_input_errors_reported() -> None:
     eng.forward(b)
     m.post_forward()
     m.end_forward()
+    m.flush()
     assert "input_errors" in [p.kind for p in m.health.problems]
+
+
+def test_stats_line_when_a_window_passes_a_multiple(caplog: pytest.LogCaptureFixture) -> None:
+    """Windows of 4 forwards never end on a multiple of 5: a line for each window that passes one."""
+    eng, m = setup(n_reqs=2, stats_interval=5, report_interval=4)
+    with caplog.at_level(logging.INFO, logger="kvcanary"):
+        run(eng, m, 12)
+    lines = [r.message for r in caplog.records if r.message.startswith("kvcanary stats:")]
+    assert [int(line.split("step=")[1].split()[0]) for line in lines] == [8, 12]

@@ -29,7 +29,7 @@ def _flip(m: object, slots: torch.Tensor) -> None:
 
 
 def _overflow_scenario(ring: int) -> list[WindowReport]:
-    eng, m = setup(n_reqs=3, prompt_len=10, ring_capacity=ring)
+    eng, m = setup(n_reqs=3, prompt_len=10, ring_capacity=ring, report_interval=1)  # a window per forward
     run(eng, m, 1)
     out = []
     flipped = _flip_prefix(eng, m, "r0")
@@ -108,3 +108,81 @@ def test_report_interval_groups_forwards() -> None:
     eng, m = setup(n_reqs=2, report_interval=3)
     reports = run(eng, m, 6)
     assert [(r.first_step, r.last_step) for r in reports] == [(1, 3), (4, 6)]
+
+
+def test_clean_forwards_stage_one_window_per_report_interval() -> None:
+    eng, m = setup(n_reqs=2)  # the default report_interval (16)
+    got = [step(eng, m) for _ in range(40)]
+    windows = [(r.first_step, r.last_step) for r in got if r is not None]
+    assert windows == [(1, 16), (17, 32)]  # floor(40 / 16) clean windows, each returned by the forward ending it
+    assert [i + 1 for i, r in enumerate(got) if r is not None] == [16, 32]
+    assert m.reporter.stagings == 2 and not m.health.problems
+    last = m.flush()
+    assert last is not None and (last.first_step, last.last_step, last.total) == (33, 40, 0)
+
+
+def test_violation_is_reported_by_the_violating_forward() -> None:
+    eng, m = setup(n_reqs=3, prompt_len=10)  # report_interval 16: forward 6 is mid-window
+    assert all(step(eng, m) is None for _ in range(5))
+    _flip_prefix(eng, m, "r1", 2)
+    rep = step(eng, m)
+    assert rep is not None and (rep.first_step, rep.last_step) == (1, 6)
+    assert rep.total > 0 and rep.request_ids == ["r1"]
+    assert {v.step for v in rep.violations} == {6}
+    assert m.reporter.stagings == 1
+
+
+def test_raise_mode_raises_in_the_violating_forward() -> None:
+    eng, m = setup(n_reqs=2, mode="raise")
+    for _ in range(3):
+        step(eng, m)
+    _flip_prefix(eng, m, "r0", 1)
+    with pytest.raises(CanaryViolationError) as ei:
+        step(eng, m)
+    assert ei.value.report.last_step == m.forwards == 4
+    assert ei.value.request_ids == ["r0"]
+
+
+def _streak(ring: int, report_interval: int) -> list[WindowReport]:
+    """Violations in forwards 3, 4 and 5 (r0's prefix stays bad, r1's joins in 4, r2's in 5), then clean ones."""
+    eng, m = setup(n_reqs=3, prompt_len=10, ring_capacity=ring, report_interval=report_interval)
+    out = [step(eng, m) for _ in range(2)]
+    flipped = [_flip_prefix(eng, m, "r0")]
+    out.append(step(eng, m))
+    flipped.append(_flip_prefix(eng, m, "r1"))
+    out.append(step(eng, m))
+    flipped.append(_flip_prefix(eng, m, "r2"))
+    out.append(step(eng, m))
+    for slots in flipped:
+        _flip(m, slots)  # restore
+    out += [step(eng, m) for _ in range(3)]
+    out.append(m.flush())
+    return [r for r in out if r is not None]
+
+
+@pytest.mark.parametrize("ring", [4, 4096])
+def test_no_rows_lost_in_consecutive_violating_forwards(ring: int) -> None:
+    per_forward = {r.last_step: r for r in _streak(4096, 1)}
+    windows = _streak(ring, 16)
+    bad = [r for r in windows if r.total]
+    assert [(r.first_step, r.last_step) for r in bad] == [(1, 3), (4, 4), (5, 5)]  # one window per violating forward
+    for r in bad:
+        want = per_forward[r.last_step]
+        assert want.total > 4 and r.total == r.ring_total == want.total
+        assert len(r.violations) == min(ring, want.total)
+        assert r.dropped == max(0, want.total - ring)
+        assert {v.key() for v in r.violations} <= {v.key() for v in want.violations}
+        assert set(r.request_ids) <= set(want.request_ids)
+    assert sum(r.total for r in windows) == sum(r.total for r in per_forward.values())
+    assert [(r.first_step, r.last_step) for r in windows if not r.total] == [(6, 8)]  # the flush
+
+
+def test_prune_keeps_every_step_of_an_unreported_window() -> None:
+    eng, m = setup(n_reqs=2)
+    for _ in range(40):
+        step(eng, m)
+    m.reporter.prune()
+    assert set(range(33, 41)) <= set(m.reporter.step_batches)  # the open window (33..40)
+    _flip_prefix(eng, m, "r1", 1)
+    rep = step(eng, m)
+    assert rep is not None and rep.request_ids == ["r1"] and (rep.first_step, rep.last_step) == (33, 41)

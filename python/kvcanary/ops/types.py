@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -63,6 +64,16 @@ def check_tensor(t: object, name: str, *, dtype: torch.dtype | tuple[torch.dtype
     if not t.is_contiguous():
         raise CanaryInputError(f"{name} must be contiguous")
     return t
+
+
+def check_tensors(tensors: Sequence[tuple[str, object]], *, dtype: tuple[torch.dtype, ...],
+                  shape: tuple[int, ...], device: torch.device) -> None:
+    """:func:`check_tensor` of several (name, tensor) pairs of one contract (every dim given): valid ones cost one
+    expression, not a call; the first invalid one raises check_tensor's error."""
+    for name, t in tensors:
+        if not (isinstance(t, torch.Tensor) and t.dtype in dtype and t.shape == shape and t.device == device
+                and t.is_contiguous()):
+            check_tensor(t, name, dtype=dtype, ndim=len(shape), device=device, shape=shape)
 
 
 @dataclass(frozen=True)

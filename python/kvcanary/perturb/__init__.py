@@ -87,6 +87,7 @@ class Perturber:
             if config.probability(mode) > 0 and fp_mode == FingerprintMode.NONE:
                 raise CanaryInputError(f"perturb mode {mode.value} needs CanaryConfig.fingerprint != none")
         self._warm_logged = False
+        self.enabled = config.enabled  # the config is frozen: the bracket skips the hooks when no mode can fire
 
     def wants_export(self) -> bool:
         """True when a sweep step needs the prefix-cache export (unused-cached mode)."""
@@ -114,7 +115,7 @@ class Perturber:
     def before_forward(self, batch: BatchView, step: int, export: PrefixCacheExport | None) -> list[PerturbEvent]:
         """Perturbations that happen before the forward (outside any graph)."""
         out: list[PerturbEvent] = []
-        if not self.config.enabled:
+        if not self.enabled:
             return out
         actions = [(PerturbMode.REQ_TO_TOKEN, self.req_to_token), (PerturbMode.REAL_KV_USED, self.real_kv_used),
                    (PerturbMode.MULTI_BIT_FLIP, self.multi_bit_flip),
