@@ -101,16 +101,13 @@ REPLAY_TARGET_US = 30.0
 ENGINE_TARGET_MS = 0.15
 
 
-WINDOW = 8  # forwards per reporting window of the ``windowed`` config
-
-
 def make_config(name: str, backend: str, bs: int, prefix: int) -> CanaryConfig:
     """``default``: CanaryConfig()'s detection policy; ``minimal``: the policy before #14 (no fingerprints, seal,
-    reuse check, rolling sweep or structural check); ``windowed``: the default policy reporting every ``WINDOW``
-    forwards (violations surface up to that many forwards later). Capacities fit the workload."""
+    reuse check, rolling sweep or structural check); ``per-forward``: the default policy staging a report window
+    every forward (report_interval 1, the default before the violation alarm). Capacities fit the workload."""
     caps = {"backend": backend, "req_capacity": max(bs, 1), "token_capacity": max(bs * prefix, bs)}
-    if name == "windowed":
-        return CanaryConfig(report_interval=WINDOW, **caps)  # type: ignore[arg-type]
+    if name == "per-forward":
+        return CanaryConfig(report_interval=1, **caps)  # type: ignore[arg-type]
     if name == "minimal":
         return CanaryConfig(fingerprint="none", layer_coverage="first", seal=False, reuse_check=False, sweep_slice=0,
                             structural_check=False, stats_interval=0, **caps)  # type: ignore[arg-type]
@@ -252,13 +249,13 @@ def main() -> None:
     ap.add_argument("--bs", default="1,64,256")
     ap.add_argument("--prefix", type=int, default=128)
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--config", default="default", help="default (CanaryConfig()), minimal (before #14), windowed "
-                    "(the defaults reporting every 8 forwards), both (default + minimal) or all")
+    ap.add_argument("--config", default="default", help="default (CanaryConfig()), minimal (before #14), per-forward "
+                    "(the defaults staging a report window every forward), both (default + minimal) or all")
     ap.add_argument("--engine-steps", type=int, default=200, help="reference engine forwards (0: skip that row)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     device = torch.device(a.device)
-    configs = {"both": ["default", "minimal"], "all": ["default", "minimal", "windowed"]}.get(a.config, [a.config])
+    configs = {"both": ["default", "minimal"], "all": ["default", "minimal", "per-forward"]}.get(a.config, [a.config])
     rows = []
     for config in configs:
         for backend in a.backends.split(","):

@@ -134,8 +134,12 @@ class EngineCanary:
             desc = pool_description(engine.pool_view(kind), engine.device)
             # the draft pool sees the same prefix cache; only the target's records get perturbed
             self.managers[kind] = install(desc, config if kind == PoolKind.TARGET else _unperturbed(config),
-                                          prefix_cache=partial(prefix_cache_export, engine, kind), sinks=sinks)
+                                          prefix_cache=partial(prefix_cache_export, engine, kind),
+                                          sinks=[*sinks, partial(self._receive, kind)])
         self.detections: list[Detection] = []
+        # windows with violations as the managers collect them (in begin_forward or end_forward: reports arrive when
+        # their copies do), kept and acted on after the forward
+        self._inbox: list[tuple[PoolKind, WindowReport]] = []
         self.log = ForwardLog()
         self.forwards = 0
         self.seconds = 0.0  # wall time spent inside the canary's hooks (host work + CPU kernels)
@@ -173,7 +177,8 @@ class EngineCanary:
         t0 = time.perf_counter()
         m = self.managers[pool_kind]
         m.post_forward()
-        self._keep(pool_kind, m.end_forward())
+        m.end_forward()
+        self._keep()
         self.seconds += time.perf_counter() - t0
         if self._on_forward is not None:
             self._on_forward(self, batch, pool_kind)
@@ -190,25 +195,32 @@ class EngineCanary:
 
     # ------------------------------------------------------------------ results
 
-    def _keep(self, kind: PoolKind, report: WindowReport | None) -> None:
-        """Keep a window with violations, dated by its last step (on CUDA a window comes back a forward late), and
-        act on its quarantine: the engine stops reusing those cached slots (a bad block is a cache miss)."""
-        if report is not None and report.total:
-            self.detections.append(Detection(kind, self._global.get((kind, report.last_step), self.forwards),
-                                             report.last_step, report))
+    def _receive(self, kind: PoolKind, report: WindowReport) -> None:
+        self._inbox.append((kind, report))
+
+    def _keep(self) -> None:
+        """Keep the windows received since the last call, each dated by the step of its first violation row (the
+        forward whose check fired; the window itself may end forwards later), and act on their quarantine: the
+        engine stops reusing those cached slots (a bad block is a cache miss)."""
+        for kind, report in self._inbox:
+            step = min((v.step for v in report.violations), default=report.last_step)
+            self.detections.append(Detection(kind, self._global.get((kind, step), self.forwards), step, report))
             if self.quarantine:
                 self.engine.quarantine(report.quarantine)
+        self._inbox.clear()
 
     def flush(self) -> None:
         """Collect every window still in flight (blocking)."""
-        for kind, m in self.managers.items():
-            self._keep(kind, m.flush())
+        for m in self.managers.values():
+            m.flush()
+        self._keep()
 
     def sweep(self) -> None:
         """Sweep every pool's prefix cache now (eager) and collect the result."""
-        for kind, m in self.managers.items():
+        for m in self.managers.values():
             if m.enabled and m.sweep():
-                self._keep(kind, m.flush())
+                m.flush()
+        self._keep()
 
     def violations(self) -> list[Violation]:
         """Every kept violation row so far."""
