@@ -171,6 +171,8 @@ class BatchView:
             raise CanaryInputError(f"batch has {bs} requests, the canary was installed for req_capacity={req_capacity}")
         check_tensors((("batch.req_pool_indices", self.req_pool_indices), ("batch.prefix_lens", self.prefix_lens),
                        ("batch.extend_lens", self.extend_lens)), dtype=_INDEX_DTYPES, shape=(bs,), device=device)
+        if not isinstance(self.input_ids, torch.Tensor):  # it defines num_tokens: check it is a tensor first
+            check_tensor(self.input_ids, "batch.input_ids", dtype=_INDEX_DTYPES, ndim=1, device=device)
         n = self.num_tokens
         if n > token_capacity:
             raise CanaryInputError(f"batch has {n} tokens, the canary was installed for "

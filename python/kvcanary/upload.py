@@ -56,6 +56,8 @@ class Upload:
         self._host = [u.numpy() for u in state.upload]
         self._index = 0
         self._events: list[Any] = [None, None]
+        # one reusable event per staging row (a new CUDA event per forward costs more host time than the copy)
+        self._copied = [torch.cuda.Event() for _ in range(2)] if state.device.type == "cuda" else []  # type: ignore[no-untyped-call]
         self._views: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = {}
         self.mask_needed = True
         self.any_new = True
@@ -97,10 +99,9 @@ class Upload:
         self.mask_needed = self._truth(batch, rows, keys, live, pre, ext, out)
         _, dev, host = self._slices(bs, batch.num_tokens)
         dev.copy_(host[k], non_blocking=True)
-        if self.state.device.type == "cuda":
-            e = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            e.record()
-            self._events[k] = e
+        if self._copied:
+            self._copied[k].record()
+            self._events[k] = self._copied[k]
 
     def _seen(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, step: int, capture: bool,
               reuse_end: np.ndarray) -> None:

@@ -107,9 +107,9 @@ def test_begin_forward_raises_check_tensors_error_before_any_launch(field: str) 
     b = eng.batch()
     want_shape = (b.batch_size,) if field in _BATCH_TENSORS[:3] else (b.num_tokens,)
     counters = m.state.sink.counters.clone()
-    # input_ids defines the token count: a shorter one is reported against positions, a list has no shape
+    # input_ids defines the token count: a shorter one is reported against positions
     forms = _bad_forms(getattr(b, field))
-    for bad in forms if field != "input_ids" else forms[:2] + forms[3:5]:
+    for bad in forms if field != "input_ids" else forms[:2] + forms[3:]:
         with pytest.raises(CanaryInputError) as want:
             check_tensor(bad, f"batch.{field}", dtype=(torch.int32, torch.int64), ndim=1, device=torch.device("cpu"),
                          shape=want_shape)
