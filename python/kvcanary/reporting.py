@@ -91,14 +91,14 @@ class Reporter:
         # view of the live count. CUDA: copied out after each forward into one of two pinned slots, each tagged with
         # the number of stagings before it, so that a copy taken before a staging never re-raises its rows. The
         # 8-byte copy goes on the current stream, not the side stream: two host calls instead of about eight (stream
-        # switch, fence, new event), for ~2 us of stream time; stream order also keeps it before the next reset.
+        # switch, fence, new event) for one small copy in stream order, which also keeps it before the next reset.
         self.stagings = 0
         self._count = state.sink.count.numpy() if d.type != "cuda" else None
         self._alarm_host = torch.zeros(2, dtype=torch.int64, pin_memory=d.type == "cuda")
         self._alarm_np = self._alarm_host.numpy()
         self._alarm_slots = [self._alarm_host[j:j + 1] for j in range(2)]
         self._alarm_ready = [torch.cuda.Event() for _ in range(2)] if d.type == "cuda" else []  # type: ignore[no-untyped-call]
-        self._alarm_events: list[Any] = [None, None]
+        self._alarm_busy = [False, False]  # a slot's copy is in flight (freed by alarmed() once it arrived)
         self._alarm_tags = [0, 0]
         # the owner's bookkeeping of a collected window (sweeps completed, metrics, stats line): (report, snapshot,
         # sweeps staged in the window)
@@ -130,9 +130,9 @@ class Reporter:
         if self._count is not None:
             return bool(self._count[0])
         hit = False
-        for j, ev in enumerate(self._alarm_events):
-            if ev is not None and ev.query():
-                self._alarm_events[j] = None
+        for j, ev in enumerate(self._alarm_ready):
+            if self._alarm_busy[j] and ev.query():  # type: ignore[no-untyped-call]
+                self._alarm_busy[j] = False
                 hit |= self._alarm_tags[j] == self.stagings and bool(self._alarm_np[j])
         return hit
 
@@ -141,14 +141,13 @@ class Reporter:
         :meth:`alarmed`)."""
         if self._count is not None:
             return
-        if None not in self._alarm_events:  # both in flight: a later forward's copy covers this one (the count only
-            return                          # grows until a staging, which snapshots the rows first)
-        j = self._alarm_events.index(None)
+        if all(self._alarm_busy):  # both in flight: a later forward's copy covers this one (the count only grows
+            return                 # until a staging, which snapshots the rows first)
+        j = self._alarm_busy.index(False)
         self._alarm_tags[j] = self.stagings
         self._alarm_slots[j].copy_(self.state.sink.count, non_blocking=True)
-        ev = self._alarm_ready[j]
-        ev.record()
-        self._alarm_events[j] = ev
+        self._alarm_ready[j].record()
+        self._alarm_busy[j] = True
 
     def _copy_out(self, k: int) -> Any:
         """CUDA: the snapshot to pinned host memory on the side stream, and its event; CPU: True (already there)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import torch
@@ -55,8 +55,8 @@ class Upload:
         self.pool_rows: dict[Hashable, tuple[int, int]] = {}  # POOL truth: request -> (row, tokens uploaded)
         self._host = [u.numpy() for u in state.upload]
         self._index = 0
-        self._events: list[Any] = [None, None]
-        # one reusable event per staging row (a new CUDA event per forward costs more host time than the copy)
+        # CUDA: per staging row, the event of its last copy to the device (reused: a new event per forward costs more
+        # host time than the copy; synchronizing one never recorded returns at once)
         self._copied = [torch.cuda.Event() for _ in range(2)] if state.device.type == "cuda" else []  # type: ignore[no-untyped-call]
         self._views: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = {}
         self.mask_needed = True
@@ -89,8 +89,8 @@ class Upload:
         live = np.not_equal(keys, None) & (rows != self.pool.padding_row)  # type: ignore[call-overload]
         k = self._index
         self._index ^= 1
-        if self._events[k] is not None:
-            self._events[k].synchronize()
+        if self._copied:
+            self._copied[k].synchronize()
         out = self._host[k][:, :bs]
         out[3:] = 0  # stripe and reuse ends; _truth writes rows 0-2
         self._seen(keys, live, pre, step, capture, out[4])
@@ -101,7 +101,6 @@ class Upload:
         dev.copy_(host[k], non_blocking=True)
         if self._copied:
             self._copied[k].record()
-            self._events[k] = self._copied[k]
 
     def _seen(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, step: int, capture: bool,
               reuse_end: np.ndarray) -> None:

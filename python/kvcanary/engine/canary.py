@@ -129,6 +129,9 @@ class EngineCanary:
         self.config = config
         self.quarantine = quarantine
         self.managers: dict[PoolKind, CanaryManager] = {}
+        # windows with violations as the managers collect them (in begin_forward or end_forward: reports arrive when
+        # their copies do), kept and acted on after the forward
+        self._inbox: list[tuple[PoolKind, WindowReport]] = []
         kinds = [PoolKind.TARGET] + ([PoolKind.DRAFT] if engine.models.draft_pool is not None else [])
         for kind in kinds:
             desc = pool_description(engine.pool_view(kind), engine.device)
@@ -137,9 +140,6 @@ class EngineCanary:
                                           prefix_cache=partial(prefix_cache_export, engine, kind),
                                           sinks=[*sinks, partial(self._receive, kind)])
         self.detections: list[Detection] = []
-        # windows with violations as the managers collect them (in begin_forward or end_forward: reports arrive when
-        # their copies do), kept and acted on after the forward
-        self._inbox: list[tuple[PoolKind, WindowReport]] = []
         self.log = ForwardLog()
         self.forwards = 0
         self.seconds = 0.0  # wall time spent inside the canary's hooks (host work + CPU kernels)
