@@ -22,6 +22,7 @@ from kvcanary.ops.plan import plan_forward, plan_sweep
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec
 from kvcanary.ops.verify import verify
 from kvcanary.ops.write import write
+from kvcanary.program import side_branch
 from kvcanary_schema import (
     DEFAULT_SWEEP_SLICE,
     NUM_PLAN_COLS,
@@ -154,6 +155,8 @@ class Scenario:
     fold_reuse: bool = True  # default policy: the reuse plan in the forward plan's launch (plan_forward reuse=...)
     layers: str = "first"  # default policy: per-forward partial of the first layer (CanaryConfig()) or "rotate"
     seal: bool = True  # default policy: the sealed HEAD write and the reuse check (False: attribution rows)
+    branch: str = "beside tail"  # captured: the seal and reuse check beside the TAIL ops (the runtime's
+    # post_graph), "after tail verify" (beside the TAIL write only) or "serial" (one stream)
     sglang_us: float | None = None
     target: str = "<= max(10 us, 1.25 x floor)"
     structural: bool = True  # WriteCheck.STRUCTURAL on the HEAD write, as the runtime's default
@@ -232,7 +235,8 @@ def policy_scenarios() -> list[Scenario]:
         variants: list[tuple[str, dict[str, Any]]] = [
             ("", {}), (" share 2", {"share": 2}), (" share 4", {"share": 4}),
             (" reuse plan separate", {"fold_reuse": False}), (" rotating layer", {"layers": "rotate"}),
-            (" no seal", {"seal": False}), (" contig", {"layout": "contig"}),
+            (" no seal", {"seal": False}), (" contig", {"layout": "contig"}), (" serial seal", {"branch": "serial"}),
+            (" seal after tail verify", {"branch": "after tail verify"}),
             (f" + sweep slice {DEFAULT_SWEEP_SLICE}", {"sweep_slice": DEFAULT_SWEEP_SLICE})]
         for label, kw in variants:
             layout = kw.get("layout", "perm")
@@ -323,6 +327,7 @@ class State:
         """Default policy: the reuse plan (empty in steady decode) and a rolling-sweep slice of ``sc.sweep_slice``
         cached slots, one segment per slot as Sweeper.roll builds it (here: request 0's first slots)."""
         self.zeros = torch.zeros(sc.bs, dtype=torch.int64, device=DEV)
+        self.side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # the seal branch (program.side_branch)
         self.reuse_plan = torch.zeros(sc.bs, NUM_PLAN_COLS, dtype=torch.int64, device=DEV)
         self.reuse_status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=DEV)
         w = sc.sweep_slice
@@ -348,17 +353,37 @@ class State:
                      reuse=(self.reuse_plan, self.reuse_status, self.zeros) if fold else None, backend=backend)
         verify(h, Stage.HEAD, self.plan, self.status, self.table, s, backend=backend)
         head_checks = CHECKS | (int(WriteCheck.STRUCTURAL) if self.sc.structural else 0)
-        if self.seal is not None:
+
+        def sealing() -> None:
             if not fold:
                 plan_forward(self.reuse_plan, self.reuse_status, self.rpi, self.zeros, self.zeros, self.table, n,
                              backend=backend)
             verify(h, Stage.TAIL, self.reuse_plan, self.reuse_status, self.table, s, fingerprint=self.seal,
                    backend=backend)
-        write(h, Stage.HEAD, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s, checks=head_checks,
-              fingerprint=self.seal, backend=backend)
-        verify(t, Stage.TAIL, self.plan, self.status, self.table, s, fingerprint=self.fp, backend=backend)
+            write(h, Stage.HEAD, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s,
+                  checks=head_checks, fingerprint=self.seal, backend=backend)
+
+        def tail_verify() -> None:
+            verify(t, Stage.TAIL, self.plan, self.status, self.table, s, fingerprint=self.fp, backend=backend)
+
+        # captured: the seal and the reuse check on a graph branch (the runtime's post_graph); eager: one stream
+        branch = self.sc.branch if self.seal is not None and torch.cuda.is_current_stream_capturing() else "serial"
+        if self.seal is None:
+            write(h, Stage.HEAD, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s,
+                  checks=head_checks, backend=backend)
+        elif branch == "serial":
+            sealing()
+        if branch == "after tail verify":
+            tail_verify()
+        if branch != "serial":
+            with side_branch(self.side):
+                sealing()
+        if branch != "after tail verify":
+            tail_verify()
         write(t, Stage.TAIL, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s, checks=CHECKS,
               fingerprint=self.fp, backend=backend)
+        if branch != "serial":
+            torch.cuda.current_stream().wait_stream(self.side)
         if self.sc.sweep_slice:
             table = self.sweep_slots.view(1, -1)
             verify(t, Stage.SWEEP, self.sweep_plan, self.sweep_status, table, s, fingerprint=self.fp, backend=backend)
@@ -485,8 +510,9 @@ def write_chunk_vs_serial(mod: Any, fl: Floors, samples: int) -> dict[str, Any]:
     return {"tokens": 16384, "ours_us": ours, "serial_us": serial, "speedup": serial / ours, "records_equal": same}
 
 
-def breakdown(samples: int = 20) -> dict[str, dict[str, float]]:
-    """Per-kernel GPU µs per forward (torch.profiler over graph replays) for a few scenarios."""
+def breakdown(samples: int = 20, only: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
+    """Per-kernel GPU µs per forward (torch.profiler over graph replays) for a few scenarios (``only``: those whose
+    name has one of these substrings)."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     out: dict[str, dict[str, float]] = {}
@@ -494,11 +520,15 @@ def breakdown(samples: int = 20) -> dict[str, dict[str, float]]:
                Scenario("extend bs1 ext16384 K", 1, 0, 16384),
                Scenario("fp all decode bs256 pre4096 K", 256, 4096, 1, fp="all"),
                Scenario("fp default decode bs256 pre4096 K", 256, 4096, 1, fp="default"),
+               Scenario("fp default serial seal decode bs256 pre4096 K", 256, 4096, 1, fp="default",
+                        branch="serial"),
                Scenario("fp default share 4 decode bs256 pre4096 K", 256, 4096, 1, fp="default", share=4),
                Scenario("fp default rotating layer decode bs256 pre4096 K", 256, 4096, 1, fp="default",
                         layers="rotate"),
                Scenario("fp default + sweep slice decode bs256 pre4096 K", 256, 4096, 1, fp="default",
                         sweep_slice=DEFAULT_SWEEP_SLICE)):
+        if only and not any(o in sc.name for o in only):
+            continue
         st = State(sc)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
@@ -607,8 +637,9 @@ def main() -> None:
                     "(and skip the chunk / sweep / profiler extras), e.g. --only 'policy base,fp default'")
     ap.add_argument("--breakdown", action="store_true", help="only the per-kernel profile of a few scenarios")
     args = ap.parse_args()
+    only = tuple(o.strip() for o in args.only.split(",") if o.strip())
     if args.breakdown:
-        breakdown()
+        breakdown(only=only)
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -619,7 +650,6 @@ def main() -> None:
     print(f"floors: {fl}", flush=True)
     flush = L2Flusher()
     results = []
-    only = [o.strip() for o in args.only.split(",") if o.strip()]
     for sc in [sc for sc in scenarios(args.quick) if not only or any(o in sc.name for o in only)]:
         sc = replace(sc, structural=not args.no_structural)
         r = run_scenario(sc, fl, flush, args.samples, torch_ref=sc.layout == "perm")

@@ -156,7 +156,7 @@ class CanaryManager:
             # a new request, e.g. disaggregated decode)
             self._reuse = capture or (self.upload.any_new and self.program.has_reuse)
             mask = capture or self.upload.mask_needed
-            self._ops = (stages.pre[self._reuse][mask], stages.post[self._reuse])
+            self._ops = (stages.pre[self._reuse][mask], stages.post_graph if capture else stages.post[self._reuse])
         self._batch = batch
         self._kind = kind
         self._phase = _Phase.BEGUN

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +24,36 @@ Shape = tuple[int, int]  # (batch size, new tokens)
 @dataclass(frozen=True)
 class Stages:
     """The ops of one batch shape: ``pre[reuse][mask]`` and ``post[reuse]`` (reuse: the reuse check runs; mask:
-    EXPECT_* flags are masked per request)."""
+    EXPECT_* flags are masked per request); ``post_graph``: the post stage for CUDA graph capture (the reuse check
+    always in), with the seal and the reuse check on a branch beside the TAIL verify and write."""
 
     pre: tuple[tuple[tuple[Op, ...], tuple[Op, ...]], tuple[tuple[Op, ...], tuple[Op, ...]]]
     post: tuple[tuple[Op, ...], tuple[Op, ...]]
+    post_graph: tuple[Op, ...]
+
+
+@contextmanager
+def side_branch(side: torch.cuda.Stream) -> Iterator[None]:
+    """Launches inside the block go to ``side``, after the current stream's work so far; a captured graph gets them
+    as a parallel branch. The caller joins later (``current_stream().wait_stream(side)``)."""
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        yield
+
+
+def _forked(side_ops: Sequence[Op], main_ops: Sequence[Op], side: torch.cuda.Stream | None) -> tuple[Op, ...]:
+    """``side_ops`` beside ``main_ops`` (both orders are correct: the seal and the reuse check read and write HEAD
+    records and new KV only, the TAIL ops TAIL records); sequential without a side stream."""
+    if side is None or not side_ops:
+        return (*side_ops, *main_ops)
+
+    def fork(table: torch.Tensor) -> None:
+        with side_branch(side):
+            run(side_ops, table)
+
+    def join(_: torch.Tensor) -> None:
+        torch.cuda.current_stream(side.device).wait_stream(side)
+    return (fork, *main_ops, join)
 
 
 def _tick(t: torch.Tensor) -> Op:
@@ -65,6 +92,9 @@ class DeviceProgram:
         # the structural check is a table-space property of the batch: once per forward (HEAD, first group)
         self._structural = int(WriteCheck.STRUCTURAL) if config.structural_check else 0
         self.has_reuse = any(g.reuse_plan is not None for g in state.groups)
+        device = state.sink.count.device
+        # post_graph's branch (the seal beside the TAIL ops in a captured graph)
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
     def stages(self, shape: Shape, table: torch.Tensor) -> Stages:
         """The bound ops of ``shape`` (bound now on a miss, with ``table`` standing for the forward's tables)."""
@@ -93,14 +123,12 @@ class DeviceProgram:
                 ops += (g["plan_reuse"] if reuse else g["plan"]) + (g["mask"] if mask else []) + g["head"]
             return tuple(ops)
 
-        def post(reuse: bool) -> tuple[Op, ...]:
-            ops: list[Op] = []
-            for g in per_group:
-                ops += g["seal"] + (g["reuse_verify"] if reuse else []) + g["tail"]
-            return (*ops, _tick(st.post_tick))
+        def post(reuse: bool, side: torch.cuda.Stream | None = None) -> tuple[Op, ...]:
+            sealing = [op for g in per_group for op in g["seal"] + (g["reuse_verify"] if reuse else [])]
+            return (*_forked(sealing, [op for g in per_group for op in g["tail"]], side), _tick(st.post_tick))
 
         return Stages(((pre(False, False), pre(False, True)), (pre(True, False), pre(True, True))),
-                      (post(False), post(True)))
+                      (post(False), post(True)), post(True, self._side))
 
     def _group_ops(self, g: GroupState, gi: int, shape: Shape, table: torch.Tensor) -> dict[str, list[Op]]:
         """The ops of one group, by role (frozen native calls)."""
