@@ -154,6 +154,7 @@ class Scenario:
     share: int = 1  # default policy: CanaryConfig.fingerprint_share (TAIL verify fingerprints 1/share of the slots)
     fold_reuse: bool = True  # default policy: the reuse plan in the forward plan's launch (plan_forward reuse=...)
     layers: str = "first"  # default policy: per-forward partial of the first layer (CanaryConfig()) or "rotate"
+    halves_hashed: str = "first"  # default policy: per-forward partial of K only (CanaryConfig()) or "each" half
     seal: bool = True  # default policy: the sealed HEAD write and the reuse check (False: attribution rows)
     branch: str = "beside tail"  # captured: the seal and reuse check beside the TAIL ops (the runtime's
     # post_graph), "after tail verify" (beside the TAIL write only) or "serial" (one stream)
@@ -236,7 +237,7 @@ def policy_scenarios() -> list[Scenario]:
             ("", {}), (" share 2", {"share": 2}), (" share 4", {"share": 4}),
             (" reuse plan separate", {"fold_reuse": False}), (" rotating layer", {"layers": "rotate"}),
             (" no seal", {"seal": False}), (" contig", {"layout": "contig"}), (" serial seal", {"branch": "serial"}),
-            (" seal after tail verify", {"branch": "after tail verify"}),
+            (" seal after tail verify", {"branch": "after tail verify"}), (" each half", {"halves_hashed": "each"}),
             (f" + sweep slice {DEFAULT_SWEEP_SLICE}", {"sweep_slice": DEFAULT_SWEEP_SLICE})]
         for label, kw in variants:
             layout = kw.get("layout", "perm")
@@ -275,11 +276,11 @@ class State:
                                                 generator=gen)) for _ in range(POLICY_LAYERS)]
                       for _ in range(sc.halves)]
             srcs_all = FingerprintSources(layers, space)
-            if sc.layers == "first":
-                first = FingerprintSources([[h[0]] for h in layers], space)
-                self.fp = Fingerprint(first, FingerprintMode.PARTIAL, 1, sc.share)
-            else:
-                self.fp = Fingerprint(srcs_all, FingerprintMode.PARTIAL, POLICY_LAYERS, sc.share)
+            sampled = [h[:1] if sc.layers == "first" else h for h in layers]
+            if sc.halves_hashed == "first":  # HalfCoverage.FIRST: V's per-forward fingerprint hashes no bytes
+                sampled[1:] = [[replace(s, read_bytes=0) for s in h] for h in sampled[1:]]
+            self.fp = Fingerprint(FingerprintSources(sampled, space), FingerprintMode.PARTIAL,
+                                  1 if sc.layers == "first" else POLICY_LAYERS, sc.share)
             self.seal = Fingerprint(srcs_all, FingerprintMode.ALL) if sc.seal else None
         elif sc.fp != "none":
             srcs = [[SourceSpec(torch.randint(0, 256, (space, FP_ROW_BYTES), dtype=torch.uint8, device=DEV,
@@ -411,7 +412,8 @@ def account(sc: Scenario, fl: Floors) -> tuple[int, int, int, float]:
     elif sc.fp == "partial":
         random += (entries + new) * sc.halves  # one 16-byte read per row
     elif sc.fp == "default":  # 16 bytes of one layer per verified (1/share) / written row; the seal of the new rows
-        random += (entries // sc.share + new + sc.sweep_slice) * sc.halves + 2 * sc.sweep_slice  # + slice records
+        hashed = sc.halves if sc.halves_hashed == "each" else 1
+        random += (entries // sc.share + new + sc.sweep_slice) * hashed + 2 * sc.sweep_slice  # + slice records
         if sc.seal:
             stream += (new + sc.sweep_slice) * sc.halves * POLICY_LAYERS * FP_ROW_BYTES
     rate = fl.gather64_per_s if sc.halves == 2 else fl.gather32_per_s

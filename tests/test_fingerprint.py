@@ -45,7 +45,9 @@ def fp_int(specs: list[SourceSpec], slot: int, position: int, mode: FingerprintM
         row_stride = t.stride(0) * esize
         row_bytes = (t[0].numel() if t.dim() > 1 else 1) * esize
         bpt = spec.bytes_per_token or row_bytes // spec.page_size
-        rb = PARTIAL_READ_BYTES if mode == FingerprintMode.PARTIAL else (spec.read_bytes or bpt)
+        rb = bpt if spec.read_bytes is None else spec.read_bytes
+        if mode == FingerprintMode.PARTIAL:
+            rb = min(rb, PARTIAL_READ_BYTES)
         off = base + (slot // spec.page_size) * row_stride + (slot % spec.page_size) * bpt
         for i in range(rb // 8):
             word = int.from_bytes(raw[off + 8 * i: off + 8 * i + 8], "little")
@@ -139,14 +141,15 @@ def test_out_of_range_entries_are_zero(backend: str) -> None:
 def test_torch_and_cpu_agree_with_ints(n_src: int, page: int, words: int, pad: int, stride: int,
                                        mode: FingerprintMode, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
     bpt = words * FP_ALIGN_BYTES
     pages = 5
+    # read_bytes 0 (a source that hashes nothing) up to the whole token
     specs = [SourceSpec(aligned_u8((pages, page * bpt + pad * FP_ALIGN_BYTES), gen), page_size=page,
-                        bytes_per_token=bpt, read_bytes=bpt - FP_ALIGN_BYTES * (seed % words))
+                        bytes_per_token=bpt, read_bytes=FP_ALIGN_BYTES * rng.randrange(words + 1))
              for _ in range(n_src)]
     n = pages * page
     src = FingerprintSources([specs], num_slots=n)
-    rng = random.Random(seed)
     slots = [rng.randrange(-2, n + 2) for _ in range(17)]
     pos = [rng.randrange(0, 100) for _ in range(17)]
     want = [fp_int(specs, s, p, mode, stride) if 0 <= s < n else 0 for s, p in zip(slots, pos, strict=True)]
@@ -181,6 +184,19 @@ def test_random_bit_flips_always_change_the_fingerprint(backend: str, multi: boo
     assert int(changed.sum()) >= 99_000  # multi-bit flips may cancel on the same bit: those rows are unchanged
     assert int((got[changed] == clean).sum()) == 0
     assert bool((got[~changed] == clean).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", [FingerprintMode.PARTIAL, FingerprintMode.ALL])
+def test_a_zero_byte_source_hashes_nothing(backend: str, mode: FingerprintMode) -> None:
+    """READ_BYTES 0 (HalfCoverage.FIRST's V half): the fingerprint of no bytes, whatever the row holds."""
+    gen = torch.Generator().manual_seed(3)
+    rows = aligned_u8((6, 64), gen)
+    src = FingerprintSources([[SourceSpec(rows, read_bytes=0)]], num_slots=6)
+    before = fp_of(src, 0, list(range(6)), [9] * 6, mode, 1, backend)
+    rows.bitwise_not_()
+    assert fp_of(src, 0, list(range(6)), [9] * 6, mode, 1, backend) == before
+    assert before == [H.splitmix64_int(0 ^ H.splitmix64_int(9 ^ FP_POS_SEED))] * 6
 
 
 def test_source_validation_errors() -> None:

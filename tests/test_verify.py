@@ -61,7 +61,9 @@ def fp_int(sources: FingerprintSources, half: int, slot: int, position: int, mod
         if (j + position) % stride:
             continue
         page, bpt = meta[j][FpSourceCol.PAGE_SIZE], meta[j][FpSourceCol.BYTES_PER_TOKEN]
-        rb = PARTIAL_READ_BYTES if mode == FingerprintMode.PARTIAL else meta[j][FpSourceCol.READ_BYTES]
+        rb = meta[j][FpSourceCol.READ_BYTES]
+        if mode == FingerprintMode.PARTIAL:
+            rb = min(rb, PARTIAL_READ_BYTES)
         off = (slot % page) * bpt
         raw = bytes(rows[slot // page, off:off + rb].tolist())
         for i in range(rb // 8):
@@ -224,7 +226,7 @@ def make_sources(rng: random.Random, halves: int, num_slots: int) -> Fingerprint
             page = rng.choice([1, 2, 3])
             bpt = rng.choice([16, 32, 48])
             rows = -(-num_slots // page) + rng.randint(0, 1)
-            read = rng.choice([None, 16, bpt])
+            read = rng.choice([None, 0, 16, bpt])  # 0: a source that hashes nothing
             if rng.random() < 0.5:
                 t = torch.randint(0, 256, (rows, page * bpt), dtype=torch.uint8)
             else:

@@ -26,8 +26,11 @@ KVC_HD const uint64_t* fp_row(const FpSource& s, int64_t slot) {
                                            (slot % s.page_size) * s.bytes_per_token);
 }
 
+// Words hashed of a source row: its READ_BYTES, at most PARTIAL_READ_BYTES of them in PARTIAL mode (a source with
+// READ_BYTES 0 hashes nothing: the V half of HalfCoverage.FIRST's per-forward fingerprint).
 KVC_HD int64_t fp_read_words(const FpSource& s, int32_t mode) {
-  const int64_t bytes = mode == static_cast<int32_t>(FingerprintMode::PARTIAL) ? PARTIAL_READ_BYTES : s.read_bytes;
+  const bool cap = mode == static_cast<int32_t>(FingerprintMode::PARTIAL) && s.read_bytes > PARTIAL_READ_BYTES;
+  const int64_t bytes = cap ? PARTIAL_READ_BYTES : s.read_bytes;
   return bytes / 8;
 }
 

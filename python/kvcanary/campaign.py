@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from kvcanary_schema import FailReason, FingerprintMode, Stage
 
-from kvcanary.config import CanaryConfig, CanaryMode, LayerCoverage, PerturbConfig, PerturbMode
+from kvcanary.config import CanaryConfig, CanaryMode, HalfCoverage, LayerCoverage, PerturbConfig, PerturbMode
 from kvcanary.engine import (
     IDLE_VICTIM,
     Engine,
@@ -233,8 +233,10 @@ def select(names: str) -> list[FaultCase]:
 # ---------------------------------------------------------------------------------------------- trials
 
 def canary_config(backend: str = "torch", **changes: Any) -> CanaryConfig:
-    """The campaign's canary: LOG mode, fingerprints of every layer, token truth, a short full-sweep interval."""
+    """The campaign's canary: LOG mode, fingerprints of every layer and half, token truth, a short full-sweep
+    interval."""
     base = CanaryConfig(mode=CanaryMode.LOG, fingerprint=FingerprintMode.ALL, layer_coverage=LayerCoverage.ALL,
+                        half_coverage=HalfCoverage.EACH,
                         sweep_interval=_SWEEP_INTERVAL, sweep_slice=0, backend=backend, stats_interval=0,
                         req_capacity=64, token_capacity=1024, log_rate_limit=0)
     return base.replace(**changes) if changes else base

@@ -61,6 +61,15 @@ class LayerCoverage(enum.StrEnum):
     ROTATE = "rotate"
 
 
+class HalfCoverage(enum.StrEnum):
+    """Which halves' bytes the per-forward (TAIL) fingerprint hashes: FIRST = the first half's (K) only (one random
+    read per slot; the V records' per-forward fingerprint hashes no bytes, damage to V alone is the seal's), EACH =
+    every half its own (one read per slot and half)."""
+
+    FIRST = "first"
+    EACH = "each"
+
+
 class CoveragePolicy(enum.StrEnum):
     """Which prefix slots each forward verifies (DESIGN 5)."""
 
@@ -115,13 +124,15 @@ class CanaryConfig:
     """Every knob of the runtime. Invalid values raise CanaryInputError naming the knob."""
 
     mode: CanaryMode = CanaryMode.LOG
-    # The default policy (docs/defaults.md): every verify fingerprints the first 16 bytes of the first layer per
-    # slot and half (a whole-slot overwrite changes them); the HEAD records carry a seal (every byte of every
-    # layer); a request's reused prefix is checked against the seal in its first forward; a rolling sweep checks
+    # The default policy (docs/defaults.md): every verify fingerprints the first 16 bytes of the first layer's K
+    # per slot (a whole-slot overwrite changes them); the HEAD records carry a seal (every byte of every layer, K
+    # and V); a request's reused prefix is checked against the seal in its first forward; a rolling sweep checks
     # ``sweep_slice`` cached slots per forward against both. (ROTATE, one layer per position, reads randomly across
-    # every layer's tensor: 1.50x instead of 1.32x the no-fingerprint GPU time at decode bs 256 prefix 4096.)
+    # every layer's tensor: 1.50x instead of 1.32x the no-fingerprint GPU time at decode bs 256 prefix 4096;
+    # half_coverage EACH doubles the partial reads of a K+V pool.)
     fingerprint: FingerprintMode = FingerprintMode.PARTIAL
     layer_coverage: LayerCoverage = LayerCoverage.FIRST
+    half_coverage: HalfCoverage = HalfCoverage.FIRST
     layer_stride: int = DEFAULT_FP_LAYER_STRIDE  # used by LayerCoverage.SAMPLE
     # The per-forward (TAIL) fingerprint checks a rotating share 1/fingerprint_share of the verified slots: the slot
     # at position p when (p + prefix_len) % fingerprint_share == 0. A power of two; 1 = every slot every forward.
@@ -168,6 +179,7 @@ class CanaryConfig:
     def __post_init__(self) -> None:
         _coerce(self, "mode", CanaryMode)
         _coerce(self, "layer_coverage", LayerCoverage)
+        _coerce(self, "half_coverage", HalfCoverage)
         _coerce(self, "coverage", CoveragePolicy)
         if not isinstance(self.fingerprint, FingerprintMode):
             _coerce_named(self, "fingerprint", FingerprintMode)
@@ -212,8 +224,10 @@ class CanaryConfig:
     @property
     def sealing(self) -> bool:
         """True when the HEAD records carry the seal: ``seal`` set, fingerprints on, and the per-forward fingerprint
-        not already every byte of every layer (fingerprint all + layer_coverage all: the seal would repeat it)."""
-        full = self.fingerprint == FingerprintMode.ALL and self.layer_coverage == LayerCoverage.ALL
+        not already every byte of every layer and half (fingerprint all, layer_coverage all, half_coverage each: the
+        seal would repeat it)."""
+        full = self.fingerprint == FingerprintMode.ALL and self.layer_coverage == LayerCoverage.ALL and \
+            self.half_coverage == HalfCoverage.EACH
         return self.seal and self.fingerprint != FingerprintMode.NONE and not full
 
     def replace(self, **changes: Any) -> CanaryConfig:

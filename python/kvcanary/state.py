@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from kvcanary_schema import (
@@ -19,7 +19,7 @@ from kvcanary_schema import (
 )
 
 from kvcanary.adapter import GroupSpec, PoolDescription, TransferBuffer
-from kvcanary.config import CanaryConfig, CoveragePolicy, LayerCoverage
+from kvcanary.config import CanaryConfig, CoveragePolicy, HalfCoverage, LayerCoverage
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, TokenPool
 
@@ -132,6 +132,8 @@ class CanaryState:
                 raise CanaryInputError(f"fingerprint {cfg.fingerprint.name} needs real-KV sources for group "
                                        f"{spec.group.name} (GroupSpec.sources)")
             halves = [list(h[:1]) if cfg.layer_coverage == LayerCoverage.FIRST else list(h) for h in spec.sources]
+            if cfg.half_coverage == HalfCoverage.FIRST:  # V's per-forward fingerprint hashes no bytes
+                halves[1:] = [[replace(s, read_bytes=0) for s in h] for h in halves[1:]]
             fp = Fingerprint(FingerprintSources(halves, spec.num_slots), cfg.fingerprint,
                              cfg.layer_stride_for(len(halves[0])), cfg.fingerprint_share)
         seal = None

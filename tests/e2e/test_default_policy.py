@@ -11,7 +11,7 @@ from kvcanary import campaign as C
 from kvcanary.config import CanaryConfig
 from kvcanary.engine import Engine, FaultConfig, Request, SamplingParams
 from kvcanary.engine.canary import EngineCanary
-from kvcanary_schema import FailReason, FingerprintMode, Stage
+from kvcanary_schema import FailReason, FingerprintMode, Half, Stage
 
 from tests.e2e.test_fault_campaign import effective_trial
 
@@ -92,10 +92,10 @@ def test_quarantine_turns_a_bad_cached_block_into_a_recompute(seed: int, backend
     assert bad.stats.prefix_hit_tokens < clean_engine.stats.prefix_hit_tokens
 
 
-def _decoding(backend: str) -> tuple[Engine, EngineCanary, int]:
+def _decoding(backend: str, **config: object) -> tuple[Engine, EngineCanary, int]:
     """A request in decode on the campaign engine (no prefix cached yet: every slot is its own); its slot row."""
     engine = C.build_engine()
-    canary = EngineCanary(engine, C.default_config(backend))
+    canary = EngineCanary(engine, C.default_config(backend, **config))
     rng = random.Random(4)
     engine.add_request(Request("r", tuple(rng.randrange(C.VOCAB) for _ in range(30)), 24, SamplingParams(1.0, seed=1)))
     while engine.stats.forwards < 4:
@@ -103,11 +103,12 @@ def _decoding(backend: str) -> tuple[Engine, EngineCanary, int]:
     return engine, canary, engine.scheduler.get_running("r").row
 
 
-def _found(canary: EngineCanary, slot: int, stage: Stage) -> list[int]:
-    """Engine forwards whose report has a fingerprint row of ``stage`` at ``slot``."""
+def _found(canary: EngineCanary, slot: int, stage: Stage, half: Half | None = None) -> list[int]:
+    """Engine forwards whose report has a fingerprint row of ``stage`` (and ``half``, if given) at ``slot``."""
     canary.flush()
     return [d.forward for d in canary.detections for v in d.report.violations
-            if v.slot == slot and v.tag.stage == stage and int(v.reasons) & int(FailReason.VERIFY_FINGERPRINT)]
+            if v.slot == slot and v.tag.stage == stage and half in (None, v.tag.half)
+            and int(v.reasons) & int(FailReason.VERIFY_FINGERPRINT)]
 
 
 @pytest.mark.parametrize("position", [0, 1, 7, 12, 29])
@@ -140,3 +141,23 @@ def test_single_bit_flip_in_any_layer_is_caught_within_the_rolling_bound(layer: 
     found = _found(canary, slot, Stage.SWEEP)
     assert found and found[0] - before <= bound, (found, before, bound)
     assert not _found(canary, slot, Stage.TAIL)  # the per-forward partial fingerprint cannot see it
+
+
+@pytest.mark.parametrize("half_coverage", ["first", "each"])
+def test_v_damage_in_the_sampled_bytes_by_half_coverage(half_coverage: str, backend: str) -> None:
+    """A flipped bit inside V's sampled 16 bytes (first layer) of a read slot. half_coverage "first" (the default:
+    V's per-forward fingerprint hashes no bytes) leaves it to the seal: the rolling sweep reports it within its
+    bound and no TAIL row does; "each" sees it in the next forward's TAIL verify, tagged V."""
+    engine, canary, row = _decoding(backend, half_coverage=half_coverage)
+    slot = int(engine.req_to_token.table[row, 9])
+    engine.models.target_pool.v[0][slot].view(-1)[:1].view(torch.uint8)[0] ^= 1  # byte 0: inside the sample
+    before, bound = canary.forwards, -(-engine.config.num_slots // CanaryConfig().sweep_slice)
+    for _ in range(bound):
+        engine.step()
+    if half_coverage == "each":
+        assert _found(canary, slot, Stage.TAIL, Half.V)[:1] == [before + 1]
+    else:
+        assert not _found(canary, slot, Stage.TAIL)
+    assert not _found(canary, slot, Stage.TAIL, Half.K)  # K's bytes are intact
+    found = _found(canary, slot, Stage.SWEEP, Half.V)
+    assert found and found[0] - before <= bound, (found, before, bound)

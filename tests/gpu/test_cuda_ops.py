@@ -373,7 +373,7 @@ def test_fingerprint_op_matches(seed: int) -> None:
             if rng.random() < 0.5:
                 t = t.view(torch.bfloat16)
             hs.append(SourceSpec(t, page_size=page, bytes_per_token=bpt,
-                                 read_bytes=rng.choice([None, 16, 16 * rng.randint(1, bpt // 16)])))
+                                 read_bytes=rng.choice([None, 0, 16, 16 * rng.randint(1, bpt // 16)])))
         specs.append(hs)
     cpu_src = FingerprintSources(specs, num_slots)
     gpu_src = sources_to(cpu_src, CUDA)

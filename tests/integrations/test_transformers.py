@@ -57,8 +57,9 @@ def baseline(llama: Any, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def raise_config(**over: Any) -> CanaryConfig:
-    """RAISE mode, fingerprints of every layer, torch reference backend."""
-    kw: dict[str, Any] = {"mode": "raise", "fingerprint": "all", "layer_coverage": "all", "sweep_interval": 0,
+    """RAISE mode, fingerprints of every layer and half, torch reference backend."""
+    kw: dict[str, Any] = {"mode": "raise", "fingerprint": "all", "layer_coverage": "all", "half_coverage": "each",
+                          "sweep_interval": 0,
                           "backend": "torch"}
     kw.update(over)
     return CanaryConfig(**kw)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcanary.config import CanaryConfig, LayerCoverage
+from kvcanary.config import CanaryConfig, HalfCoverage, LayerCoverage
 from kvcanary.errors import CanaryInputError, KVCanaryError
 from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.plan import plan_forward
@@ -26,7 +26,10 @@ def test_defaults_are_the_policy() -> None:
     assert cfg.sealing and cfg.reuse_check and cfg.sweep_interval == 0 and cfg.sweep_slice == DEFAULT_SWEEP_SLICE
     assert cfg.layer_stride_for(7) == 1  # FIRST: the state hands the ops source 0 only
     assert cfg.replace(layer_coverage="rotate").layer_stride_for(7) == 7
-    assert not cfg.replace(fingerprint="all", layer_coverage="all").sealing  # per-forward already covers every byte
+    assert cfg.half_coverage == HalfCoverage.FIRST
+    # per-forward already covers every byte: no seal (with V's bytes too, half_coverage each)
+    assert not cfg.replace(fingerprint="all", layer_coverage="all", half_coverage="each").sealing
+    assert cfg.replace(fingerprint="all", layer_coverage="all").sealing
     assert not cfg.replace(fingerprint="none").sealing and not cfg.replace(seal=False).sealing
     env = CanaryConfig.from_env({"KVCANARY_SEAL": "0", "KVCANARY_SWEEP_SLICE": "64", "KVCANARY_REUSE_CHECK": "off"})
     assert not env.seal and env.sweep_slice == 64 and not env.reuse_check

@@ -44,7 +44,7 @@ enum class Group : int32_t {
 // How many bytes of each source row a fingerprint reads.
 enum class FingerprintMode : int32_t {
   NONE = 0,  // no fingerprint (field stays 0)
-  PARTIAL = 1,  // the first PARTIAL_READ_BYTES bytes of the row
+  PARTIAL = 1,  // the first PARTIAL_READ_BYTES bytes of the row (at most READ_BYTES)
   ALL = 2,  // read_bytes of the row (the whole token row by default)
 };
 
@@ -155,7 +155,7 @@ enum class FpSourceCol : int32_t {
   ROW_STRIDE = 1,  // bytes between consecutive pages (rows)
   PAGE_SIZE = 2,  // slots per row
   BYTES_PER_TOKEN = 3,  // bytes of one slot inside a row
-  READ_BYTES = 4,  // bytes hashed in ALL mode (<= BYTES_PER_TOKEN)
+  READ_BYTES = 4,  // bytes hashed in ALL mode (<= BYTES_PER_TOKEN; PARTIAL hashes at most this many; 0 = none)
 };
 constexpr int32_t kNumFpSourceCols = 5;
 

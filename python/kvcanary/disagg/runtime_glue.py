@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from kvcanary_schema import FingerprintMode, TokenTruth
 
 from kvcanary.adapter import TransferBuffer
-from kvcanary.config import CanaryConfig, CanaryMode, LayerCoverage
+from kvcanary.config import CanaryConfig, CanaryMode, HalfCoverage, LayerCoverage
 from kvcanary.engine.canary import EngineCanary
 from kvcanary.engine.engine import Engine
 from kvcanary.engine.hooks import EngineHooks
@@ -15,12 +15,14 @@ from kvcanary.report import CallbackSink, Violation, WindowReport
 
 
 def transfer_config(backend: str = "auto", token_truth: str = "chain", layer_coverage: str = "all") -> CanaryConfig:
-    """LOG mode, fingerprints of every byte; by default of every layer (a truncated transfer misses whole layers)
+    """LOG mode, fingerprints of every byte of K and V; by default of every layer (a truncated transfer misses whole
+    layers)
     and with chain token truth (a foreign but self-consistent chain is invisible without it). No seal and no sweeps:
     the coverage is exactly the per-forward one named (the first-layer run is the negative control), so every
     violation is attributed to the request that received the transfer."""
     return CanaryConfig(mode=CanaryMode.LOG, fingerprint=FingerprintMode.ALL, seal=False,
-                        layer_coverage=LayerCoverage(layer_coverage), token_truth=TokenTruth[token_truth.upper()],
+                        layer_coverage=LayerCoverage(layer_coverage), half_coverage=HalfCoverage.EACH,
+                        token_truth=TokenTruth[token_truth.upper()],
                         backend=backend, sweep_interval=0, sweep_slice=0, stats_interval=0, req_capacity=64,
                         token_capacity=1024)
 

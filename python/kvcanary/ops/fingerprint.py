@@ -69,12 +69,20 @@ def fingerprint_torch(sources: FingerprintSources, half: int, slots: torch.Tenso
     meta = sources.table[half].tolist()
     for j, rows in enumerate(sources.rows[half]):
         page, bpt = meta[j][FpSourceCol.PAGE_SIZE], meta[j][FpSourceCol.BYTES_PER_TOKEN]
-        rb = PARTIAL_READ_BYTES if mode == FingerprintMode.PARTIAL else meta[j][FpSourceCol.READ_BYTES]
+        rb = hashed_bytes(meta[j][FpSourceCol.READ_BYTES], mode)
+        if rb == 0:  # a source that hashes nothing
+            continue
         terms = H.fp_word_term(_slot_words(rows, page, bpt // 8, rb // 8, sc), j,
                                torch.arange(rb // 8, device=dev)).sum(1)
         selected = torch.remainder(positions + j, layer_stride) == 0
         acc = acc + torch.where(selected, terms, torch.zeros_like(terms))
     return torch.where(valid, H.fp_finalize(acc, positions), torch.zeros_like(slots))
+
+
+def hashed_bytes(read_bytes: int, mode: FingerprintMode) -> int:
+    """Bytes of a source row that ``mode`` hashes: its READ_BYTES, at most PARTIAL_READ_BYTES in PARTIAL mode (0: the
+    source hashes nothing)."""
+    return min(read_bytes, PARTIAL_READ_BYTES) if mode == FingerprintMode.PARTIAL else read_bytes
 
 
 def _slot_words(rows: torch.Tensor, page: int, bpt_words: int, read_words: int, slots: torch.Tensor) -> torch.Tensor:

@@ -173,7 +173,7 @@ class SourceSpec:
     tensor: torch.Tensor
     page_size: int = 1
     bytes_per_token: int | None = None  # default: row bytes / page_size
-    read_bytes: int | None = None  # default: bytes_per_token
+    read_bytes: int | None = None  # default: bytes_per_token; 0: the source hashes nothing (its fingerprint term is 0)
 
 
 @dataclass
@@ -232,8 +232,8 @@ def _source_entry(spec: SourceSpec, num_slots: int, device: torch.device, name: 
                     ("read_bytes", rb)):
         if v % a != 0:
             raise CanaryInputError(f"{name}: {what} ({v}) must be a multiple of {a}")
-    if not 0 < rb <= bpt or spec.page_size * bpt > row_bytes:
-        raise CanaryInputError(f"{name}: need 0 < read_bytes ({rb}) <= bytes_per_token ({bpt}) and "
+    if not 0 <= rb <= bpt or spec.page_size * bpt > row_bytes:  # read_bytes 0: the source hashes nothing
+        raise CanaryInputError(f"{name}: need 0 <= read_bytes ({rb}) <= bytes_per_token ({bpt}) and "
                                f"page_size*bytes_per_token <= row bytes ({row_bytes})")
     if rows * spec.page_size < num_slots:
         raise CanaryInputError(f"{name}: {rows} rows x page_size {spec.page_size} < {num_slots} slots")

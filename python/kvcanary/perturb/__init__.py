@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from kvcanary_schema import (
-    PARTIAL_READ_BYTES,
     FailReason,
     FingerprintMode,
     FpSourceCol,
@@ -24,6 +23,7 @@ from kvcanary_schema import (
 from kvcanary.adapter import BatchView, PrefixCacheExport, TransferBuffer
 from kvcanary.config import PerturbConfig, PerturbMode
 from kvcanary.errors import CanaryInputError, KVCanaryInternalError
+from kvcanary.ops.fingerprint import hashed_bytes
 from kvcanary.state import CanaryState, GroupState
 
 logger = logging.getLogger("kvcanary")
@@ -369,11 +369,16 @@ class Perturber:
         hashed = [j for j in range(srcs.num_sources) if (j + position) % fp.layer_stride == 0]
         if not hashed:
             return None
-        half, j = self.rng.randrange(len(srcs.halves)), self.rng.choice(hashed)
+        meta = srcs.table.tolist()
+        # (half, source) pairs whose hashed bytes include some at this position (HalfCoverage.FIRST: not V's)
+        pairs = [(h, j) for h in range(len(srcs.halves)) for j in hashed
+                 if hashed_bytes(meta[h][j][FpSourceCol.READ_BYTES], fp.mode) > 0]
+        if not pairs:
+            return None
+        half, j = self.rng.choice(pairs)
         spec = srcs.halves[half][j]
-        ent = srcs.table[half, j].tolist()
-        page, bpt, rb = ent[FpSourceCol.PAGE_SIZE], ent[FpSourceCol.BYTES_PER_TOKEN], ent[FpSourceCol.READ_BYTES]
-        span = PARTIAL_READ_BYTES if fp.mode == FingerprintMode.PARTIAL else rb
+        page, bpt = meta[half][j][FpSourceCol.PAGE_SIZE], meta[half][j][FpSourceCol.BYTES_PER_TOKEN]
+        span = hashed_bytes(meta[half][j][FpSourceCol.READ_BYTES], fp.mode)
         rows = srcs.rows[half][j]
         base = (gslot % page) * bpt
         es = spec.tensor.element_size()
