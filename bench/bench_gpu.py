@@ -355,14 +355,14 @@ class State:
         verify(h, Stage.HEAD, self.plan, self.status, self.table, s, backend=backend)
         head_checks = CHECKS | (int(WriteCheck.STRUCTURAL) if self.sc.structural else 0)
 
-        def sealing() -> None:
+        def sealing() -> None:  # the runtime's order (DeviceProgram): the seal first, its launch at the fork
+            write(h, Stage.HEAD, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s,
+                  checks=head_checks, fingerprint=self.seal, backend=backend)
             if not fold:
                 plan_forward(self.reuse_plan, self.reuse_status, self.rpi, self.zeros, self.zeros, self.table, n,
                              backend=backend)
             verify(h, Stage.TAIL, self.reuse_plan, self.reuse_status, self.table, s, fingerprint=self.seal,
                    backend=backend)
-            write(h, Stage.HEAD, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s,
-                  checks=head_checks, fingerprint=self.seal, backend=backend)
 
         def tail_verify() -> None:
             verify(t, Stage.TAIL, self.plan, self.status, self.table, s, fingerprint=self.fp, backend=backend)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One single-GPU record on the installed wheel (its prebuilt CUDA module; the job stops if the loader would JIT):
 # every GPU test (CUDA ops bit-exact vs the torch reference, graph capture/replay, runtime, engine, default policy,
-# structural check, transformers), compute-sanitizer memcheck + racecheck on the bad-input fuzz, the quick benchmark
-# with and without the structural check, and the CUDA demo. Files in $OUT (at most 8): log.txt sanitizer.txt
-# demo_cuda.json bench_structural.{json,md} bench_no_structural.{json,md}.
+# structural check, transformers), compute-sanitizer memcheck + racecheck on the bad-input fuzz, the quick benchmark,
+# the default-policy rows (issue 14) and the CUDA demo. Files in $OUT (at most 8): log.txt sanitizer.txt
+# demo_cuda.json bench_structural.{json,md} bench_policy.{json,md}.
 # Needs .whl with the tvm-ffi wheel (../shared/tools/fetch-gpu-wheels) and a kvcanary wheel (pip wheel --no-deps .
 # where nvcc is), and .hfproto/wheels/transformers-5.23.0 for the transformers tests. Usage: bash gpu/run_record.sh
 set -o pipefail
@@ -28,9 +28,10 @@ mkdir -p "$OUT"
   grep -E "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.txt"
   echo "=== bench $(date -u +%T)"
   timeout 220 python3 -m bench.bench_gpu --quick --samples 20 --out /tmp/bench_structural | tail -60
-  timeout 80 python3 -m bench.bench_gpu --quick --no-structural --samples 20 --out /tmp/bench_no_structural \
-    --only "decode bs1 pre512,decode bs64 pre256,decode bs256 pre4096 ext1 K perm,extend bs1 pre0 ext4096" | tail -20
-  for variant in structural no_structural; do
+  echo "=== policy rows $(date -u +%T)"
+  timeout 150 python3 -m bench.bench_gpu --samples 20 --out /tmp/bench_policy \
+    --only "policy base,fp default (4,fp default serial,fp default each half,fp default no seal" | grep -v "^|" | tail -30
+  for variant in structural policy; do
     for f in /tmp/bench_$variant/*.json /tmp/bench_$variant/*.md; do cp "$f" "$OUT/bench_$variant.${f##*.}"; done
   done
   echo "=== demo $(date -u +%T)"

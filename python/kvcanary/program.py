@@ -43,7 +43,8 @@ def side_branch(side: torch.cuda.Stream) -> Iterator[None]:
 
 def _forked(side_ops: Sequence[Op], main_ops: Sequence[Op], side: torch.cuda.Stream | None) -> tuple[Op, ...]:
     """``side_ops`` beside ``main_ops`` (both orders are correct: the seal and the reuse check read and write HEAD
-    records and new KV only, the TAIL ops TAIL records); sequential without a side stream."""
+    records and new KV only, the TAIL ops TAIL records); sequential without a side stream. The side ops are
+    captured first, so the seal's blocks are launched before the TAIL verify's persistent grid takes every SM."""
     if side is None or not side_ops:
         return (*side_ops, *main_ops)
 
