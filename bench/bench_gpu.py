@@ -156,8 +156,9 @@ class Scenario:
     layers: str = "first"  # default policy: per-forward partial of the first layer (CanaryConfig()) or "rotate"
     halves_hashed: str = "first"  # default policy: per-forward partial of K only (CanaryConfig()) or "each" half
     seal: bool = True  # default policy: the sealed HEAD write and the reuse check (False: attribution rows)
-    branch: str = "beside tail"  # captured: the seal and reuse check beside the TAIL ops (the runtime's
-    # post_graph), "after tail verify" (beside the TAIL write only) or "serial" (one stream)
+    branch: str = "reuse after tail write"  # captured: the seal beside the TAIL write and the reuse check after it
+    # (the runtime's post_graph); "after tail verify": the seal and the reuse check on the branch beside the TAIL
+    # write; "beside tail": beside the TAIL verify and write; "serial": one stream
     sglang_us: float | None = None
     target: str = "<= max(10 us, 1.25 x floor)"
     structural: bool = True  # WriteCheck.STRUCTURAL on the HEAD write, as the runtime's default
@@ -237,7 +238,8 @@ def policy_scenarios() -> list[Scenario]:
             ("", {}), (" share 2", {"share": 2}), (" share 4", {"share": 4}),
             (" reuse plan separate", {"fold_reuse": False}), (" rotating layer", {"layers": "rotate"}),
             (" no seal", {"seal": False}), (" contig", {"layout": "contig"}), (" serial seal", {"branch": "serial"}),
-            (" seal after tail verify", {"branch": "after tail verify"}), (" each half", {"halves_hashed": "each"}),
+            (" seal beside tail verify", {"branch": "beside tail"}), (" each half", {"halves_hashed": "each"}),
+            (" seal and reuse check beside tail write", {"branch": "after tail verify"}),
             (f" + sweep slice {DEFAULT_SWEEP_SLICE}", {"sweep_slice": DEFAULT_SWEEP_SLICE})]
         for label, kw in variants:
             layout = kw.get("layout", "perm")
@@ -328,7 +330,7 @@ class State:
         """Default policy: the reuse plan (empty in steady decode) and a rolling-sweep slice of ``sc.sweep_slice``
         cached slots, one segment per slot as Sweeper.roll builds it (here: request 0's first slots)."""
         self.zeros = torch.zeros(sc.bs, dtype=torch.int64, device=DEV)
-        self.side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # the seal branch (program.side_branch)
+        self.side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # the seal's branch (program.side_branch)
         self.reuse_plan = torch.zeros(sc.bs, NUM_PLAN_COLS, dtype=torch.int64, device=DEV)
         self.reuse_status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=DEV)
         w = sc.sweep_slice
@@ -355,9 +357,11 @@ class State:
         verify(h, Stage.HEAD, self.plan, self.status, self.table, s, backend=backend)
         head_checks = CHECKS | (int(WriteCheck.STRUCTURAL) if self.sc.structural else 0)
 
-        def sealing() -> None:  # the runtime's order (DeviceProgram): the seal first, its launch at the fork
+        def seal() -> None:
             write(h, Stage.HEAD, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s,
                   checks=head_checks, fingerprint=self.seal, backend=backend)
+
+        def reuse_check() -> None:
             if not fold:
                 plan_forward(self.reuse_plan, self.reuse_status, self.rpi, self.zeros, self.zeros, self.table, n,
                              backend=backend)
@@ -372,17 +376,22 @@ class State:
         if self.seal is None:
             write(h, Stage.HEAD, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s,
                   checks=head_checks, backend=backend)
-        elif branch == "serial":
-            sealing()
-        if branch == "after tail verify":
+        elif branch == "serial":  # the runtime's eager order: the seal, then the reuse check
+            seal()
+            reuse_check()
+        if branch != "beside tail":
             tail_verify()
-        if branch != "serial":
+        if branch != "serial":  # a graph branch (the runtime's post_graph: the seal alone, beside the TAIL write)
             with side_branch(self.side):
-                sealing()
-        if branch != "after tail verify":
+                seal()
+                if branch != "reuse after tail write":
+                    reuse_check()
+        if branch == "beside tail":
             tail_verify()
         write(t, Stage.TAIL, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s, checks=CHECKS,
               fingerprint=self.fp, backend=backend)
+        if branch == "reuse after tail write":
+            reuse_check()
         if branch != "serial":
             torch.cuda.current_stream().wait_stream(self.side)
         if self.sc.sweep_slice:

@@ -25,7 +25,7 @@ Shape = tuple[int, int]  # (batch size, new tokens)
 class Stages:
     """The ops of one batch shape: ``pre[reuse][mask]`` and ``post[reuse]`` (reuse: the reuse check runs; mask:
     EXPECT_* flags are masked per request); ``post_graph``: the post stage for CUDA graph capture (the reuse check
-    always in), with the seal and the reuse check on a branch beside the TAIL verify and write."""
+    always in), with the seal on a graph branch beside the TAIL write and the reuse check."""
 
     pre: tuple[tuple[tuple[Op, ...], tuple[Op, ...]], tuple[tuple[Op, ...], tuple[Op, ...]]]
     post: tuple[tuple[Op, ...], tuple[Op, ...]]
@@ -41,12 +41,11 @@ def side_branch(side: torch.cuda.Stream) -> Iterator[None]:
         yield
 
 
-def _forked(side_ops: Sequence[Op], main_ops: Sequence[Op], side: torch.cuda.Stream | None) -> tuple[Op, ...]:
-    """``side_ops`` beside ``main_ops`` (both orders are correct: the seal and the reuse check read and write HEAD
-    records and new KV only, the TAIL ops TAIL records); sequential without a side stream. The side ops are
-    captured first, so the seal's blocks are launched before the TAIL verify's persistent grid takes every SM."""
-    if side is None or not side_ops:
-        return (*side_ops, *main_ops)
+def _forked(side_ops: Sequence[Op], main_ops: Sequence[Op], side: torch.cuda.Stream) -> tuple[Op, ...]:
+    """``side_ops`` beside ``main_ops`` (any order is correct: the seal writes HEAD records of new tokens, the TAIL
+    write TAIL records, the reuse check reads HEAD records of reused prefixes)."""
+    if not side_ops:
+        return tuple(main_ops)
 
     def fork(table: torch.Tensor) -> None:
         with side_branch(side):
@@ -125,8 +124,16 @@ class DeviceProgram:
             return tuple(ops)
 
         def post(reuse: bool, side: torch.cuda.Stream | None = None) -> tuple[Op, ...]:
-            sealing = [op for g in per_group for op in g["seal"] + (g["reuse_verify"] if reuse else [])]
-            return (*_forked(sealing, [op for g in per_group for op in g["tail"]], side), _tick(st.post_tick))
+            def role(name: str) -> list[Op]:
+                return [op for g in per_group for op in g[name]]
+            seal, reuse_verify = role("seal"), role("reuse_verify") if reuse else []
+            if side is None:  # eager: one stream
+                return (*seal, *reuse_verify, *role("tail_verify"), *role("tail_write"), _tick(st.post_tick))
+            # captured: the seal beside the TAIL write and the reuse check, after the TAIL verify, whose persistent
+            # grid takes every SM (bench_gpu's branch variants: launched beside the TAIL verify, the seal's blocks
+            # delayed some of its blocks; the reuse check on the seal's branch lengthened it)
+            return (*role("tail_verify"), *_forked(seal, role("tail_write") + reuse_verify, side),
+                    _tick(st.post_tick))
 
         return Stages(((pre(False, False), pre(False, True)), (pre(True, False), pre(True, True))),
                       (post(False), post(True)), post(True, self._side))
@@ -164,7 +171,7 @@ class DeviceProgram:
             "plan": [plan(g.plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain)],
             "mask": [_expect_mask(st, g.plan, cfg.req_capacity)] if chain else [],
             "reuse_verify": [], "seal": [write(Stage.HEAD)] if g.seal is not None else [],
-            "tail": [*verifies(Stage.TAIL), write(Stage.TAIL)]}
+            "tail_verify": verifies(Stage.TAIL), "tail_write": [write(Stage.TAIL)]}
         ops["plan_reuse"] = list(ops["plan"])
         if g.reuse_plan is not None and g.reuse_status is not None:  # [0, reuse_end): the whole reused prefix, planned
             # in the main plan's launch
