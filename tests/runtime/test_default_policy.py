@@ -27,6 +27,9 @@ def test_defaults_are_the_policy() -> None:
     assert cfg.layer_stride_for(7) == 1  # FIRST: the state hands the ops source 0 only
     assert cfg.replace(layer_coverage="rotate").layer_stride_for(7) == 7
     assert cfg.half_coverage == HalfCoverage.FIRST
+    assert CanaryConfig.from_env({"KVCANARY_HALF_COVERAGE": "Each"}).half_coverage == HalfCoverage.EACH
+    with pytest.raises(CanaryInputError, match="half_coverage"):
+        CanaryConfig(half_coverage="v")  # type: ignore[arg-type]
     # per-forward already covers every byte: no seal (with V's bytes too, half_coverage each)
     assert not cfg.replace(fingerprint="all", layer_coverage="all", half_coverage="each").sealing
     assert cfg.replace(fingerprint="all", layer_coverage="all").sealing
