@@ -6,7 +6,7 @@ import pytest
 import torch
 from kvcanary.config import CanaryConfig
 from kvcanary.manager import CanaryManager, install
-from kvcanary_schema import CounterCol, RecordField
+from kvcanary_schema import CounterCol, FailReason, RecordField, Stage
 
 from .fake_engine import FakeEngine
 
@@ -39,6 +39,40 @@ def _corrupt(eng: FakeEngine, m: CanaryManager, k: int, sign: int = 1) -> None:
     m.state.groups[0].tail.records[slot, 0, RecordField.POSITION] += sign * (1000 + k)
 
 
+def _capture(eng: FakeEngine, m: CanaryManager) -> tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]:
+    """Capture one decode bracket: the pre and post device parts, each in its own graph (the batch is not run)."""
+    free = list(eng.free)
+    cap = eng.batch()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    pre_g, post_g = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    m.begin_forward(cap, kind="capture")
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(pre_g, stream=side):
+            m.pre_forward()
+        with torch.cuda.graph(post_g, stream=side):
+            m.post_forward()
+    torch.cuda.current_stream().wait_stream(side)
+    m.end_forward()
+    for r in eng.reqs.values():  # the capture batch was never run: undo its allocation
+        eng.req_to_token[r.row, r.kv_len:] = 0
+    eng.free = free
+    return pre_g, post_g
+
+
+def _replay(eng: FakeEngine, m: CanaryManager, graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]) -> None:
+    b = eng.batch()
+    m.begin_forward(b, kind="replay")
+    graphs[0].replay()
+    eng.forward(b)
+    graphs[1].replay()
+    m.end_forward()
+
+
+def _rows(m: CanaryManager) -> list[tuple[tuple[str, object], ...]]:
+    return sorted(tuple(v.to_dict().items()) for r in m.reports for v in r.violations)
+
+
 @pytest.mark.parametrize("cfg", [{}, {"fingerprint": "all"}, {"coverage": "window", "stripe_size": 3},
                                  {"token_truth": "pool", "input_asserts": True}])
 def test_graph_replay_equals_eager(cfg: dict[str, object]) -> None:
@@ -49,34 +83,13 @@ def test_graph_replay_equals_eager(cfg: dict[str, object]) -> None:
     for e, m in ((ea, ma), (eb, mb)):
         _eager(e, m)  # prefill (eager, different shapes) and one warm-up decode
         _eager(e, m)
-    # capture one decode bracket of the graph engine: the pre and post device parts, each in its own graph
-    free = list(eb.free)
-    cap = eb.batch()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    pre_g, post_g = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    mb.begin_forward(cap, kind="capture")
-    with torch.cuda.stream(side):
-        with torch.cuda.graph(pre_g, stream=side):
-            mb.pre_forward()
-        with torch.cuda.graph(post_g, stream=side):
-            mb.post_forward()
-    torch.cuda.current_stream().wait_stream(side)
-    mb.end_forward()
-    for r in eb.reqs.values():  # the capture batch was never run: undo its allocation
-        eb.req_to_token[r.row, r.kv_len:] = 0
-    eb.free = free
+    graphs = _capture(eb, mb)
     for k in range(steps):
         if k % 5 == 3:
             _corrupt(ea, ma, k)
             _corrupt(eb, mb, k)
         _eager(ea, ma)
-        b = eb.batch()
-        mb.begin_forward(b, kind="replay")
-        pre_g.replay()
-        eb.forward(b)
-        post_g.replay()
-        mb.end_forward()
+        _replay(eb, mb, graphs)
     ra, rb = ma.flush(), mb.flush()
     del ra, rb
     torch.cuda.synchronize()
@@ -88,11 +101,36 @@ def test_graph_replay_equals_eager(cfg: dict[str, object]) -> None:
     keep = [c for c in range(sa.sink.counters.shape[1]) if c != CounterCol.VERIFY_RUNS]
     assert torch.equal(sa.sink.counters[:, keep], sb.sink.counters[:, keep])
     assert torch.equal(sa.phase, sb.phase)
-    rows_a = sorted(tuple(v.to_dict().items()) for r in ma.reports for v in r.violations)
-    rows_b = sorted(tuple(v.to_dict().items()) for r in mb.reports for v in r.violations)
+    rows_a, rows_b = _rows(ma), _rows(mb)
     assert rows_a == rows_b and len(rows_a) > 0
     assert [r.total for r in ma.reports] == [r.total for r in mb.reports]
     assert not mb.health.problems and not ma.health.problems
+
+
+def test_captured_reuse_check_catches_a_corrupted_cached_prefix() -> None:
+    """A request admitted between replays reuses a cached chain whose V bytes (last layer) changed after the seal:
+    the captured post stage (the seal on a graph branch, the reuse check after the TAIL write) reports it in that
+    replay, as the eager twin does; the decode-shaped batch replays the graph captured before."""
+    ea, ma = _make({"report_interval": 1})
+    eb, mb = _make({"report_interval": 1})
+    for e, m in ((ea, ma), (eb, mb)):
+        _eager(e, m)
+        _eager(e, m)
+    graphs = _capture(eb, mb)
+    for e in (ea, eb):
+        e.finish(f"r{N_REQS - 1}")
+        cached = e.cache[-1]
+        e.add("n", [*cached.tokens, 5])  # one new token: the captured (bs, tokens) shape
+        e.kv[1][e.layers - 1][cached.slots[2], 0] += 1.0
+    _eager(ea, ma)
+    _replay(eb, mb, graphs)
+    ma.flush()
+    mb.flush()
+    torch.cuda.synchronize()
+    rows_a, rows_b = _rows(ma), _rows(mb)
+    assert rows_a == rows_b
+    hits = [v for r in mb.reports for v in r.violations if v.request_id == "n"]
+    assert hits and all(v.tag.stage == Stage.TAIL and v.reasons & FailReason.VERIFY_FINGERPRINT for v in hits)
 
 
 def test_replay_without_canary_ops_is_caught_by_phase_check() -> None:
