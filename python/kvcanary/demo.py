@@ -171,7 +171,7 @@ def _cell(v: Any) -> str:
 
 
 _POLICY_TEXT = {
-    "default": ("the CanaryConfig() defaults (partial fingerprint of the first layer per verify, the HEAD seal "
+    "default": ("the CanaryConfig() defaults (partial fingerprint of the first layer's K per verify, the HEAD seal "
                 f"over every byte, reuse check, rolling sweep of {C.default_config().sweep_slice} slots per forward)"),
     "campaign": (f"fingerprint ALL over every layer, a full sweep every {C.canary_config().sweep_interval} forwards"),
 }
