@@ -6,12 +6,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from kvcanary_schema import NUM_LAUNCH_TAGS, Half, LaunchTag, PlanCol, Stage, TokenTruth, WriteCheck
 
+from kvcanary import _native
 from kvcanary.adapter import PoolDescription
 from kvcanary.config import CanaryConfig
+from kvcanary.ops.bound import BoundOp
 from kvcanary.ops.plan import bind_plan_forward
 from kvcanary.ops.verify import bind_verify
 from kvcanary.ops.write import bind_write
@@ -54,6 +57,31 @@ def _forked(side_ops: Sequence[Op], main_ops: Sequence[Op], side: torch.cuda.Str
     def join(_: torch.Tensor) -> None:
         torch.cuda.current_stream(side.device).wait_stream(side)
     return (fork, *main_ops, join)
+
+
+def _fused(ops: Sequence[Op], backend: str) -> tuple[Op, ...]:
+    """Each run of consecutive native bound ops as one native call (``make_sequence``, docs/ops-contract.md 9): the
+    host pays one tvm-ffi call per run instead of one per op."""
+    out: list[Op] = []
+    native: list[BoundOp] = []
+
+    def close() -> None:
+        if len(native) > 1:
+            fns = [op.fn for op in native]
+            mod = _native.module("cuda" if backend == "cuda" else "cpu")  # native ops exist on these two only
+            seq = mod.make_sequence(fns, [[*op.before, *op.after] for op in native], [len(op.before) for op in native])
+            out.append(cast(Op, seq))
+        else:
+            out.extend(native)
+        native.clear()
+    for op in ops:
+        if isinstance(op, BoundOp) and op.native:
+            native.append(op)
+        else:
+            close()
+            out.append(op)
+    close()
+    return tuple(out)
 
 
 def _tick(t: torch.Tensor) -> Op:
@@ -121,18 +149,18 @@ class DeviceProgram:
             ops: list[Op] = [_tick(st.pre_tick)]
             for g in per_group:
                 ops += (g["plan_reuse"] if reuse else g["plan"]) + (g["mask"] if mask else []) + g["head"]
-            return tuple(ops)
+            return _fused(ops, self.backend)
 
         def post(reuse: bool, side: torch.cuda.Stream | None = None) -> tuple[Op, ...]:
-            def role(name: str) -> list[Op]:
-                return [op for g in per_group for op in g[name]]
-            seal, reuse_verify = role("seal"), role("reuse_verify") if reuse else []
+            def role(*names: str) -> tuple[Op, ...]:
+                return _fused([op for g in per_group for name in names for op in g[name]], self.backend)
+            reuse_verify = ("reuse_verify",) if reuse else ()
             if side is None:  # eager: one stream
-                return (*seal, *reuse_verify, *role("tail_verify"), *role("tail_write"), _tick(st.post_tick))
+                return (*role("seal", *reuse_verify, "tail_verify", "tail_write"), _tick(st.post_tick))
             # captured: the seal beside the TAIL write and the reuse check, after the TAIL verify, whose persistent
             # grid takes every SM (bench_gpu's branch variants: launched beside the TAIL verify, the seal's blocks
             # delayed some of its blocks; the reuse check on the seal's branch lengthened it)
-            return (*role("tail_verify"), *_forked(seal, role("tail_write") + reuse_verify, side),
+            return (*role("tail_verify"), *_forked(role("seal"), role("tail_write", *reuse_verify), side),
                     _tick(st.post_tick))
 
         return Stages(((pre(False, False), pre(False, True)), (pre(True, False), pre(True, True))),
