@@ -16,10 +16,11 @@ namespace kvcanary {
 struct SequenceOp {
   tvm::ffi::Function fn;
   std::vector<tvm::ffi::Any> args;  // the bound arguments, the table's place left out
-  int64_t table_at;                 // where the table goes among them
+  int64_t table_at;                 // where the table goes among them; -1: the op takes no table
 };
 
-// fns[i] is called with args[i], the slot table inserted before args[i][table_at[i]] (table_at[i] == len: last).
+// fns[i] is called with args[i], the slot table inserted before args[i][table_at[i]] (table_at[i] == len: last;
+// -1: not passed).
 inline tvm::ffi::Function make_sequence(const tvm::ffi::Array<tvm::ffi::Function>& fns,
                                         const tvm::ffi::Array<tvm::ffi::Array<tvm::ffi::Any>>& args,
                                         const tvm::ffi::Array<int64_t>& table_at) {
@@ -30,8 +31,8 @@ inline tvm::ffi::Function make_sequence(const tvm::ffi::Array<tvm::ffi::Function
   for (size_t i = 0; i < fns.size(); ++i) {
     const tvm::ffi::Array<tvm::ffi::Any> a = args[i];
     const int64_t at = table_at[i];
-    TVM_FFI_CHECK(at >= 0 && at <= static_cast<int64_t>(a.size()), ValueError)
-        << "make_sequence: table position " << at << " of op " << i << " outside [0, " << a.size() << "]";
+    TVM_FFI_CHECK(at >= -1 && at <= static_cast<int64_t>(a.size()), ValueError)
+        << "make_sequence: table position " << at << " of op " << i << " outside [-1, " << a.size() << "]";
     ops.push_back(SequenceOp{fns[i], std::vector<tvm::ffi::Any>(a.begin(), a.end()), at});
   }
   return tvm::ffi::Function::FromPacked(
@@ -40,9 +41,10 @@ inline tvm::ffi::Function make_sequence(const tvm::ffi::Array<tvm::ffi::Function
                                                   << " arguments";
         std::vector<tvm::ffi::AnyView> buf;
         for (const SequenceOp& op : ops) {
-          buf.assign(op.args.begin(), op.args.begin() + op.table_at);
-          buf.push_back(call[0]);
-          buf.insert(buf.end(), op.args.begin() + op.table_at, op.args.end());
+          const int64_t at = op.table_at < 0 ? static_cast<int64_t>(op.args.size()) : op.table_at;
+          buf.assign(op.args.begin(), op.args.begin() + at);
+          if (op.table_at >= 0) buf.push_back(call[0]);
+          buf.insert(buf.end(), op.args.begin() + at, op.args.end());
           tvm::ffi::Any ignored;
           op.fn.CallPacked(buf.data(), static_cast<int32_t>(buf.size()), &ignored);
         }

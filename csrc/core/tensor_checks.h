@@ -152,6 +152,16 @@ inline int64_t check_fingerprint_args(DLDeviceType device, const TensorView& tab
   return n;
 }
 
+// bookkeep: counter int64 [k], acc and src int64 [n], contiguous, on the backend's device.
+inline void check_bookkeep_args(DLDeviceType device, const TensorView& counter, const TensorView& acc,
+                                const TensorView& src) {
+  check_i64_tensor(counter, counter, 1, "counter", "counter");
+  check_device_type(counter, device, "counter");
+  check_i64_tensor(acc, counter, 1, "acc", "counter");
+  check_i64_tensor(src, counter, 1, "src", "counter");
+  check_dim(src, 0, acc.size(0), "src");
+}
+
 // scatter_tokens: pool_tokens int64 [R, L], pool_lens [R], rows/starts/counts [n], tokens [T], status [1], one device.
 inline void check_scatter_args(DLDeviceType device, const TensorView& pool_tokens, const TensorView& pool_lens,
                                const TensorView& rows, const TensorView& starts, const TensorView& counts,

@@ -14,6 +14,7 @@ from kvcanary_schema import NUM_LAUNCH_TAGS, Half, LaunchTag, PlanCol, Stage, To
 from kvcanary import _native
 from kvcanary.adapter import PoolDescription
 from kvcanary.config import CanaryConfig
+from kvcanary.ops.bookkeep import bind_bookkeep
 from kvcanary.ops.bound import BoundOp
 from kvcanary.ops.plan import bind_plan_forward
 from kvcanary.ops.verify import bind_verify
@@ -69,7 +70,8 @@ def _fused(ops: Sequence[Op], backend: str) -> tuple[Op, ...]:
         if len(native) > 1:
             fns = [op.fn for op in native]
             mod = _native.module("cuda" if backend == "cuda" else "cpu")  # native ops exist on these two only
-            seq = mod.make_sequence(fns, [[*op.before, *op.after] for op in native], [len(op.before) for op in native])
+            seq = mod.make_sequence(fns, [[*op.before, *op.after] for op in native],
+                                    [len(op.before) if op.takes_table else -1 for op in native])
             out.append(cast(Op, seq))
         else:
             out.extend(native)
@@ -82,18 +84,6 @@ def _fused(ops: Sequence[Op], backend: str) -> tuple[Op, ...]:
             out.append(op)
     close()
     return tuple(out)
-
-
-def _tick(t: torch.Tensor) -> Op:
-    def run(_: torch.Tensor) -> None:
-        t.add_(1)
-    return run
-
-
-def _running_max(acc: torch.Tensor, status: torch.Tensor) -> Op:
-    def run(_: torch.Tensor) -> None:
-        torch.maximum(acc, status, out=acc)
-    return run
 
 
 def _expect_mask(st: CanaryState, plan: torch.Tensor, capacity: int) -> Op:
@@ -145,23 +135,27 @@ class DeviceProgram:
         st = self.state
         per_group = [self._group_ops(g, gi, shape, table) for gi, g in enumerate(st.groups)]
 
+        none = st.zeros[:0]
+
+        def tick(counters: torch.Tensor) -> Op:  # pre: first (the step the kernels stamp their rows with)
+            return bind_bookkeep(counters, none, none, self.backend).frozen()
+
         def pre(reuse: bool, mask: bool) -> tuple[Op, ...]:
-            ops: list[Op] = [_tick(st.pre_tick)]
+            ops: list[Op] = [tick(st.pre_tick)]
             for g in per_group:
                 ops += (g["plan_reuse"] if reuse else g["plan"]) + (g["mask"] if mask else []) + g["head"]
             return _fused(ops, self.backend)
 
         def post(reuse: bool, side: torch.cuda.Stream | None = None) -> tuple[Op, ...]:
-            def role(*names: str) -> tuple[Op, ...]:
-                return _fused([op for g in per_group for name in names for op in g[name]], self.backend)
-            reuse_verify = ("reuse_verify",) if reuse else ()
+            def role(*names: str, then: tuple[Op, ...] = ()) -> tuple[Op, ...]:
+                return _fused([*(op for g in per_group for name in names for op in g[name]), *then], self.backend)
+            reuse_verify, last = ("reuse_verify",) if reuse else (), (tick(st.post_tick),)
             if side is None:  # eager: one stream
-                return (*role("seal", *reuse_verify, "tail_verify", "tail_write"), _tick(st.post_tick))
+                return role("seal", *reuse_verify, "tail_verify", "tail_write", then=last)
             # captured: the seal beside the TAIL write and the reuse check, after the TAIL verify, whose persistent
             # grid takes every SM (bench_gpu's branch variants: launched beside the TAIL verify, the seal's blocks
             # delayed some of its blocks; the reuse check on the seal's branch lengthened it)
-            return (*role("tail_verify"), *_forked(role("seal"), role("tail_write", *reuse_verify), side),
-                    _tick(st.post_tick))
+            return (*role("tail_verify"), *_forked(role("seal"), role("tail_write", *reuse_verify, then=last), side))
 
         return Stages(((pre(False, False), pre(False, True)), (pre(True, False), pre(True, True))),
                       (post(False), post(True)), post(True, self._side))
@@ -212,7 +206,7 @@ class DeviceProgram:
             ops["plan"].append(stripe)
             ops["plan_reuse"].append(stripe)
         ops["head"] = [*verifies(Stage.HEAD), *([write(Stage.HEAD)] if g.seal is None else []),
-                       _running_max(st.window_status[gi], g.status)]
+                       bind_bookkeep(st.zeros[:0], st.window_status[gi], g.status, b).frozen()]
         return ops
 
     def launches(self, reuse: bool) -> torch.Tensor:

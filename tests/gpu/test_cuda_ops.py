@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from kvcanary.ops.bookkeep import bind_bookkeep
 from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.plan import plan_forward, plan_roll, plan_sweep
 from kvcanary.ops.scatter_tokens import scatter_tokens
@@ -427,3 +428,17 @@ def test_native_entries_refuse_cpu_tensors() -> None:
         mod.plan_forward(z, s, one, one, one, torch.zeros(1, 1, dtype=torch.int64), e, 0, e, 0, 1, 0, -1, 1, e, e, e, 0)
     with pytest.raises(ValueError):
         mod.fingerprint(torch.zeros(1, 1, 5, dtype=torch.int64), 0, one, one, 2, 1, 1, one)
+
+
+@pytest.mark.parametrize(("k", "n"), [(0, 0), (2, 0), (0, 9), (1, 200), (2, 3)])
+def test_bookkeep_matches(k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(k + n)
+    counter, acc = torch.randint(-5, 5, (k,), generator=gen), torch.randint(-99, 99, (n,), generator=gen)
+    src = torch.randint(-99, 99, (n,), generator=gen)
+    outs = []
+    for backend, dev in (("torch", CUDA), ("cuda", CUDA), ("cpu", "cpu")):
+        c, a = counter.to(dev), acc.to(dev)
+        bind_bookkeep(c, a, src.to(dev), backend).frozen()(torch.zeros(1, 1, dtype=torch.int64, device=dev))
+        outs.append((c.cpu(), a.cpu()))
+    for c, a in outs[1:]:
+        assert torch.equal(c, outs[0][0]) and torch.equal(a, outs[0][1])

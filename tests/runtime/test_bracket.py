@@ -128,7 +128,10 @@ def test_device_parts_do_not_sync_or_allocate(cfg: dict[str, Any]) -> None:
     with rec:
         m.post_forward()
     m.end_forward()
-    assert rec.ops, "the recorder saw nothing"
+    probe, t = _Recorder(), torch.zeros(1)
+    with probe:  # the recorder sees torch ops (the device parts may issue none: native sequences and bookkeeping)
+        t.add_(1)
+    assert probe.ops, "the recorder saw nothing"
     assert not [op for op in rec.ops if any(s in op for s in _SYNC)], rec.ops
     assert not [op for op in rec.ops if _allocating(op)], rec.ops
 

@@ -12,7 +12,8 @@ import tvm_ffi
 
 @dataclass(frozen=True)
 class BoundOp:
-    """``fn(*before, table, *after)``: an op whose every argument but the slot table was checked when it was bound.
+    """``fn(*before, table, *after)``: an op whose every argument but the slot table was checked when it was bound
+    (``takes_table`` False: ``fn(*before, *after)``, the table ignored).
 
     The caller guarantees that a table passed to :meth:`__call__` passes the same checks as the one it was bound with
     (int32/int64, 2-D, contiguous, on the device, same column count: what ``BatchView.validate`` checks).
@@ -22,10 +23,14 @@ class BoundOp:
     before: tuple[Any, ...]
     after: tuple[Any, ...]
     native: bool = False  # a tvm-ffi function (its tensor arguments may be pre-converted)
+    takes_table: bool = True
 
     def __call__(self, table: torch.Tensor) -> None:
         """Run the op on ``table``."""
-        self.fn(*self.before, table, *self.after)
+        if self.takes_table:
+            self.fn(*self.before, table, *self.after)
+        else:
+            self.fn(*self.before, *self.after)
 
     def frozen(self) -> BoundOp:
         """Native ops: torch tensor arguments pre-converted to tvm-ffi tensors (no per-call DLPack exchange). The table
@@ -35,4 +40,4 @@ class BoundOp:
 
         def conv(args: tuple[Any, ...]) -> tuple[Any, ...]:
             return tuple(tvm_ffi.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args)
-        return BoundOp(self.fn, conv(self.before), conv(self.after), True)
+        return BoundOp(self.fn, conv(self.before), conv(self.after), True, self.takes_table)

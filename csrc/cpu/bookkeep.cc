@@ -1,0 +1,26 @@
+// CPU entry point of the per-stage bookkeeping (docs/ops-contract.md 10).
+//
+// Native signature (kvcanary_cpu and kvcanary_cuda export the same):
+//   bookkeep(counter: int64 [k], acc: int64 [n], src: int64 [n]) -> None
+//   counter[j] += 1 for every j; acc[i] = max(acc[i], src[i]).
+#include <tvm/ffi/function.h>
+
+#include <algorithm>
+
+#include "core/common.cuh"
+#include "core/tensor_checks.h"
+
+namespace kvcanary {
+
+void bookkeep(TensorView counter, TensorView acc, TensorView src) {
+  check_bookkeep_args(kDLCPU, counter, acc, src);
+  int64_t* c = static_cast<int64_t*>(counter.data_ptr());
+  for (int64_t j = 0; j < counter.size(0); ++j) ++c[j];
+  int64_t* a = static_cast<int64_t*>(acc.data_ptr());
+  const int64_t* s = static_cast<const int64_t*>(src.data_ptr());
+  for (int64_t i = 0; i < acc.size(0); ++i) a[i] = std::max(a[i], s[i]);
+}
+
+}  // namespace kvcanary
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bookkeep, kvcanary::bookkeep);
