@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from typing import cast
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,12 +25,20 @@ NO_NEW = ~int(PlanFlag.EXPECT_NEW)
 
 
 def host_i64(values: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
-    """A host int64 numpy array of batch facts given as a list, an array or a CPU tensor (no copy when possible)."""
+    """A contiguous host int64 numpy array of batch facts given as a list, an array or a CPU tensor (no copy when
+    possible)."""
     if isinstance(values, torch.Tensor):
         if values.dtype == torch.int64 and values.is_cpu:  # viewed as is: an integer tensor never requires grad
-            return values.numpy()
+            return np.ascontiguousarray(values.numpy())
         return values.detach().to("cpu", torch.int64).numpy()
-    return np.asarray(values, dtype=np.int64)
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
+def host_array(values: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A contiguous host int64 array or tensor, as given when it already is one (native ops take either)."""
+    if isinstance(values, torch.Tensor) and values.dtype == torch.int64 and values.is_cpu and values.is_contiguous():
+        return values
+    return host_i64(values)
 
 
 def request_keys(ids: Sequence[Hashable | None]) -> np.ndarray:
@@ -47,8 +55,8 @@ class Upload:
         """Staging for ``state``; ``health.coverage`` observes every request's verified slots."""
         self.state, self.pool, self.config, self.backend = state, pool, config, backend
         self.health = health
-        self._step = _native_step(backend)
-        self.chains = RowChains(pool.req_rows, pool.token_offset, self._step)
+        self._native = _native_host(backend)
+        self.chains = self._row_chains(pool.token_offset)
         self.stripes = Stripes(config.stripe_size, config.window_links) \
             if config.coverage == CoveragePolicy.WINDOW else None
         self.last_seen: dict[Hashable, int] = {}
@@ -86,32 +94,55 @@ class Upload:
         rows, pre, ext = (host_i64(v) for v in (batch.req_pool_indices_host, batch.prefix_lens_host,
                                                  batch.extend_lens_host))
         keys = request_keys(batch.request_ids)
-        live = np.not_equal(keys, None) & (rows != self.pool.padding_row)  # type: ignore[call-overload]
+        live = rows != self.pool.padding_row
+        if None in batch.request_ids:  # a C-level scan: np.not_equal on an object array costs far more
+            live &= np.not_equal(keys, None)  # type: ignore[call-overload]
         k = self._index
         self._index ^= 1
         if self._copied:
             self._copied[k].synchronize()
-        out = self._host[k][:, :bs]
-        out[3:] = 0  # stripe and reuse ends; _truth writes rows 0-2
-        self._seen(keys, live, pre, step, capture, out[4])
-        if self.stripes is not None:
-            self._stripe_ends(keys, live, pre, capture, out[3])
-        self.mask_needed = self._truth(batch, rows, keys, live, pre, ext, out)
+        unknown = None if capture else self._steady(batch, rows, keys, live, pre, ext, self._host[k])
+        if unknown is not None:  # no request is new (each owns its row), no stripes: only the seen steps are left
+            self.any_new, self.mask_needed = False, unknown > 0
+            self._note_seen(keys, live, pre, step, capture)
+        else:
+            out = self._host[k][:, :bs]
+            out[3:] = 0  # stripe and reuse ends; _truth writes rows 0-2
+            self._seen(keys, live, pre, step, capture, out[4])
+            if self.stripes is not None:
+                self._stripe_ends(keys, live, pre, capture, out[3])
+            self.mask_needed = self._truth(batch, rows, keys, live, pre, ext, out)
         _, dev, host = self._slices(bs, batch.num_tokens)
         dev.copy_(host[k], non_blocking=True)
         if self._copied:
             self._copied[k].record()
 
+    def _steady(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray,
+                ext: np.ndarray, staging: np.ndarray) -> int | None:
+        """A steady decode's staging rows in one native call (RowChains.decode_into): the unknown new tokens' count,
+        or None where it does not apply (nothing changed)."""
+        if self.stripes is not None or batch.true_new_tokens is None or batch.expected_chains is not None or \
+                self.config.token_truth != TokenTruth.CHAIN or self._offset(batch) != self.chains.offset:
+            return None
+        return self.chains.decode_into(rows, keys, live, pre, ext, host_array(batch.true_new_tokens), staging)
+
     def _seen(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, step: int, capture: bool,
               reuse_end: np.ndarray) -> None:
         """Last-seen steps; a request's first forward verifies its whole reused prefix (reuse end = prefix)."""
-        every = all_set(live)
-        ids = keys.tolist() if every else keys[live].tolist()
+        ids = keys.tolist() if all_set(live) else keys[live].tolist()
         new = set(ids).difference(self.last_seen)
         self.any_new = bool(new) and not capture
         if self.any_new:
             is_new = live & np.fromiter((k in new for k in keys), dtype=bool, count=keys.shape[0])
             reuse_end[is_new] = pre[is_new]
+        self._note_seen(keys, live, pre, step, capture, ids)
+
+    def _note_seen(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, step: int, capture: bool,
+                   ids: list[Hashable] | None = None) -> None:
+        """Last-seen steps of the live requests and, under the FULL policy, their verified prefixes (coverage)."""
+        every = all_set(live)
+        if ids is None:
+            ids = keys.tolist() if every else keys[live].tolist()
         self.last_seen.update(dict.fromkeys(ids, step))
         if self.stripes is None and not capture:
             self.health.coverage.observe_all(ids, (pre if every else pre[live]).tolist())
@@ -134,9 +165,9 @@ class Upload:
             if cfg.token_truth == TokenTruth.POOL and batch.true_tokens is not None:
                 self._pool_truth(batch, rows, keys, live, pre, ext)
             return bool(out.shape[1] > 0)
-        offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
+        offset = self._offset(batch)
         if offset != self.chains.offset:
-            self.chains = RowChains(self.pool.req_rows, offset, self._step)
+            self.chains = self._row_chains(offset)
         if batch.expected_chains is not None:
             t = _given_chains(batch.expected_chains, live)
         elif batch.true_tokens is None and batch.true_new_tokens is None:
@@ -153,13 +184,21 @@ class Upload:
         out[2] = KEEP_ALL  # everything known (a steady decode): no selects
         return False
 
+    def _offset(self, batch: BatchView) -> int:
+        return self.pool.token_offset if batch.token_offset is None else batch.token_offset
+
+    def _row_chains(self, offset: int) -> RowChains:
+        native = self._native
+        return RowChains(self.pool.req_rows, offset, *((None, None) if native is None else
+                                                       (native.hash_chain_step, native.truth_decode)))
+
     def _pool_truth(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray,
                     pre: np.ndarray, ext: np.ndarray) -> None:
         """Append each request's not yet uploaded true tokens to its expected-token pool row (per request)."""
         st = self.state
         if st.token_pool is None or batch.true_tokens is None:
             raise KVCanaryInternalError("st.token_pool is unset: an invariant of the bracket was broken")
-        offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
+        offset = self._offset(batch)
         width = st.token_pool.tokens.shape[1]
         reqs: list[tuple[int, int, int, Sequence[int]]] = []
         for i in np.flatnonzero(live).tolist():
@@ -203,8 +242,9 @@ def _given_chains(given: Sequence[tuple[int | None, int | None]], live: np.ndarr
                       live & np.asarray([n is not None for _, n in given], bool))
 
 
-def _native_step(backend: str) -> Callable[..., int] | None:
-    """The C++ backend's vectorized chain step for the host hasher, when a native backend is in use and it loads."""
+def _native_host(backend: str) -> Any:
+    """The C++ module whose host ops (hash_chain_step, truth_decode) serve the token truth, when a native backend is
+    in use and it loads; None: numpy."""
     if backend == "torch" or not _native.available("cpu"):
         return None
-    return cast(Callable[..., int], _native.module("cpu").hash_chain_step)
+    return _native.module("cpu")

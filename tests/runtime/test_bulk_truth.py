@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
-from kvcanary.truth import ChainHasher, RowChains, chain_g_np, chain_truth
+from kvcanary.truth import BatchTruth, ChainHasher, RowChains, chain_g_np, chain_truth
+from kvcanary.upload import KEEP_ALL, NO_NEW
 
 ROWS = 6
 
@@ -30,16 +31,39 @@ _forward = st.lists(st.tuples(st.integers(0, 4), st.integers(0, ROWS - 1), st.in
                     min_size=1, max_size=4)
 
 
+def _native_chains(rows: int, offset: int = 0) -> RowChains:
+    cpu = _native.module("cpu")
+    return RowChains(rows, offset, cpu.hash_chain_step, cpu.truth_decode)
+
+
+def _steady_truth(chains: RowChains, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray,
+                  ext: np.ndarray, new: np.ndarray) -> BatchTruth | None:
+    """decode_into's staging rows read back as a BatchTruth (None: it declined, and must have changed nothing)."""
+    before = (chains.h.copy(), chains.n.copy())
+    staging = np.full((5, rows.shape[0] + 3), 7, np.int64)  # wider than the batch: columns past it stay untouched
+    unknown = chains.decode_into(rows, keys, live, pre, ext, new, staging)
+    if unknown is None:
+        assert (staging == 7).all() and (chains.h == before[0]).all() and (chains.n == before[1]).all()
+        return None
+    assert (staging[:, rows.shape[0]:] == 7).all() and not staging[3:, :rows.shape[0]].any()
+    mask = staging[2, :rows.shape[0]]
+    new_known = live & (mask == KEEP_ALL)
+    assert set(mask.tolist()) <= {KEEP_ALL, NO_NEW} and int(np.count_nonzero(live & ~new_known)) == unknown
+    return BatchTruth(staging[0, :rows.shape[0]], staging[1, :rows.shape[0]], live & (pre > 0), new_known)
+
+
 @settings(max_examples=150, deadline=None)
 @given(steps=st.lists(_forward, min_size=1, max_size=8), offset=st.integers(0, 1), seed=st.integers(0, 2**16),
-       bulk=st.booleans(), native=st.booleans())
+       bulk=st.booleans(), native=st.sampled_from(["no", "step", "decode"]))
 def test_row_chains_equal_chain_hasher(steps: list[list[tuple[int, int, int, bool]]], offset: int, seed: int,
-                                       bulk: bool, native: bool) -> None:
+                                       bulk: bool, native: str) -> None:
+    """Every path (numpy, the native step, the native steady decode) against the oracle, forward by forward."""
     rng = np.random.default_rng(seed)
     hist = {k: [int(t) for t in rng.integers(0, 1000, int(rng.integers(4, 30)))] for k in range(5)}  # truth known
     done = dict.fromkeys(range(5), 0)  # tokens each request has in its KV so far
     oracle = ChainHasher(offset)
-    chains = RowChains(ROWS, offset, _native.module("cpu").hash_chain_step if native else None)
+    chains = _native_chains(ROWS, offset) if native == "decode" else \
+        RowChains(ROWS, offset, _native.module("cpu").hash_chain_step if native == "step" else None)
     for fwd in steps:
         seen: dict[int, tuple[int, int, int]] = {}
         for key, row, ext, rewind in fwd:
@@ -55,8 +79,10 @@ def test_row_chains_equal_chain_hasher(steps: list[list[tuple[int, int, int, boo
         new = [hist[k][p + j + offset] if p + j + offset < n else -1
                for k, p, e, n in zip(keys, pre.tolist(), ext.tolist(), known, strict=True) for j in range(e)]
         histories = [hist[k] for k in keys]
-        got = chains.forward(rows, np.array(keys, dtype=object), np.ones(len(keys), bool), pre, ext,
-                             np.array(new, np.int64) if bulk else None, histories)
+        karr, live = np.array(keys, dtype=object), np.ones(len(keys), bool)
+        got = _steady_truth(chains, rows, karr, live, pre, ext, np.array(new, np.int64)) if bulk else None
+        if got is None:
+            got = chains.forward(rows, karr, live, pre, ext, np.array(new, np.int64) if bulk else None, histories)
         for i, k in enumerate(keys):
             ep, en = chain_truth(oracle, k, hist[k], int(pre[i]), int(ext[i]), offset)
             assert (bool(got.prefix_known[i]), int(got.expect_prefix[i]) if got.prefix_known[i] else None) == \
@@ -91,3 +117,68 @@ def test_drop_forgets_the_row() -> None:
     chains.drop("a")
     assert chains.owner[1] is None
     chains.drop("missing")
+
+
+def _decoding(chains: RowChains, keys: list[str], first: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Claim rows 1.. for ``keys`` with a one-token prefill each (token ``first[i]``); returns (rows, key array)."""
+    rows = np.arange(1, len(keys) + 1, dtype=np.int64)
+    karr = np.array(keys, dtype=object)
+    chains.forward(rows, karr, np.ones(len(keys), bool), np.zeros(len(keys), np.int64), np.ones(len(keys), np.int64),
+                   None, [[t] for t in first])
+    return rows, karr
+
+
+def test_steady_decode_skips_padding_rows_and_counts_unknown_tokens() -> None:
+    chains, oracle = _native_chains(5), ChainHasher()
+    rows, karr = _decoding(chains, ["a", "b", "c"], [11, 12, 13])
+    for k, t in zip("abc", (11, 12, 13), strict=True):
+        oracle.extend(k, [t], 0)
+    # a padding row (row 0, key None, two tokens) between live rows; c's new token is unknown
+    rows2, keys2 = np.array([1, 0, 2, 3]), np.array(["a", None, "b", "c"], dtype=object)
+    live = np.array([True, False, True, True])
+    got = _steady_truth(chains, rows2, keys2, live, np.array([1, 0, 1, 1]), np.array([1, 2, 1, 1]),
+                        np.array([21, 99, 99, 22, -1]))
+    assert got is not None
+    assert got.expect_prefix.tolist() == [H.to_i64(oracle.value("a")), 0, H.to_i64(oracle.value("b")),
+                                          H.to_i64(oracle.value("c"))]
+    assert got.expect_new.tolist() == [H.to_i64(oracle.extend("a", [21], 1)), 0, H.to_i64(oracle.extend("b", [22], 1)),
+                                       0]
+    assert got.new_known.tolist() == [True, False, True, False]
+    assert chains.n[1:4].tolist() == [2, 2, 1] and chains.h[0] == np.uint64(H.CHAIN_H0)  # padding row untouched
+
+
+@pytest.mark.parametrize("case", ["not owned", "two new tokens", "rewound", "row out of range", "too few tokens",
+                                  "negative extend"])
+def test_steady_decode_declines_without_changing_anything(case: str) -> None:
+    chains = _native_chains(4)
+    rows, karr = _decoding(chains, ["a", "b"], [5, 6])
+    pre, ext, new = np.array([1, 1]), np.array([1, 1]), np.array([7, 8])
+    if case == "not owned":
+        karr = np.array(["a", "z"], dtype=object)
+    elif case == "two new tokens":
+        ext, new = np.array([1, 2]), np.array([7, 8, 9])
+    elif case == "rewound":
+        pre = np.array([1, 0])
+    elif case == "row out of range":
+        rows = np.array([1, 9])
+        chains.owner = np.concatenate([chains.owner, np.full(8, None, dtype=object)])
+        chains.owner[9] = "b"
+    elif case == "too few tokens":
+        new = np.array([7])
+    else:
+        ext = np.array([1, -1])
+    assert _steady_truth(chains, rows, karr, np.ones(2, bool), pre, ext, new) is None
+
+
+@pytest.mark.parametrize("bad", ["token", "position"])
+def test_steady_decode_bad_value_raises_before_any_write(bad: str) -> None:
+    chains = _native_chains(3)
+    rows, karr = _decoding(chains, ["a", "b"], [5, 6])
+    before = chains.h.copy()
+    new = np.array([7, 1 << 31]) if bad == "token" else np.array([7, 8])
+    if bad == "position":
+        chains.n[2] = 1 << 31  # the row claims a prefix past the position limit
+    pre = np.array([1, 1 << 31]) if bad == "position" else np.array([1, 1])
+    with pytest.raises(CanaryInputError):
+        chains.decode_into(rows, karr, np.ones(2, bool), pre, np.array([1, 1]), new, np.zeros((5, 2), np.int64))
+    assert (chains.h == before).all()
