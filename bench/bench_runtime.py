@@ -168,7 +168,8 @@ def bench_case(bs: int, prefix: int, backend: str, device: torch.device, iters: 
 
 def bench_replay(bs: int, prefix: int, backend: str, device: torch.device, iters: int,
                  config: str = "default") -> dict[str, Any]:
-    """CUDA: pre/post captured in graphs once, then the median host time of begin(kind=replay) + end per decode."""
+    """CUDA: pre/post captured in graphs once, then the median host time of begin(kind=replay) + end per decode, and
+    the GPU time of the two replayed graphs (events around them: the canary's device work of one captured forward)."""
     w = Workload(bs, prefix, iters + 4, device)
     m = install(w.pool(), make_config(config, backend, bs, prefix))
     for b in (w.batch(prefix), w.batch(1)):  # prefill and a warm-up decode, eager
@@ -188,27 +189,33 @@ def bench_replay(bs: int, prefix: int, backend: str, device: torch.device, iters
     torch.cuda.current_stream(device).wait_stream(side)
     m.end_forward()
     w.rewind(1)  # the capture batch never ran: decode its tokens again
-    begin, end = [], []
+    begin, end, events = [], [], []
     for _ in range(iters):
         b = w.batch(1)
         _sync(device)
+        ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
         t0 = time.perf_counter()
         m.begin_forward(b, kind="replay")
         t1 = time.perf_counter()
+        ev[0].record()
         pre_g.replay()
         post_g.replay()
+        ev[1].record()
         t2 = time.perf_counter()
         m.end_forward()
         t3 = time.perf_counter()
         begin.append(t1 - t0)
         end.append(t3 - t2)
+        events.append(ev)
     _sync(device)
     m.flush()
     med = statistics.median
+    gpu_us = med(a.elapsed_time(b) * 1e3 for a, b in events)
     return {"mode": "replay", "config": config, "bs": bs, "prefix": prefix, "backend": backend,
             "device": str(device), "begin_us": round(med(begin) * 1e6, 1), "end_us": round(med(end) * 1e6, 1),
             "total_us": round(med([a + b for a, b in zip(begin, end, strict=True)]) * 1e6, 1),
             "total_mean_us": round(statistics.fmean([a + b for a, b in zip(begin, end, strict=True)]) * 1e6, 1),
+            "graphs_gpu_us": round(gpu_us, 1),
             "violations": sum(r.total for r in m.reports), "health_problems": len(m.health.problems)}
 
 

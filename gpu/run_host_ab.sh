@@ -1,29 +1,27 @@
 #!/usr/bin/env bash
 # Host-path A/B on one GPU machine: bench_runtime (eager and graph replay, CanaryConfig(), the reference engine) for
-# an earlier source tree A and this tree B, alternating A B A B in one job, on the same installed wheel's native
-# modules (B is the wheel; A imports its own Python sources and loads the wheel's modules through
-# KVCANARY_NATIVE_DIR), then the GPU test suite on B. Files in $OUT: ab_log.txt runtime_{A,B}{1,2}.json junit.xml.
-# A: `mkdir -p .ab/A && git archive <commit> python generated bench | tar -x -C .ab/A` (carry .ab and .whl).
-# Needs .whl with the tvm-ffi wheel and a kvcanary wheel. Usage (repo root): bash gpu/run_host_ab.sh [tests]
+# an earlier commit A and this tree B, alternating A B A B in one job, each on its own installed wheel (the same
+# bench_runtime.py for both, from this tree), then the GPU test suite on B. Files in $OUT: ab_log.txt
+# runtime_{A,B}{1,2}.json junit.xml.
+# A: `git worktree add /tmp/A <commit> && pip wheel --no-deps -w .ab/wheelA /tmp/A` (carry .ab and .whl).
+# Needs .whl with the tvm-ffi wheel and this tree's kvcanary wheel. Usage (repo root): bash gpu/run_host_ab.sh [tests]
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/siteA \
+    .ab/wheelA/*.whl || exit 1
   export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCANARY_CACHE_DIR=/tmp/kvcanary-jit
-  export KVCANARY_NATIVE_DIR=/tmp/site/kvcanary/_lib
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
   BENCH="python3 -m bench.bench_runtime --device cuda --backends cuda --iters 300 --config default --engine-steps 100"
   for run in 1 2; do
     for side in A B; do
       echo "=== bench_runtime $side$run $(date -u +%T)"
-      if [ $side = A ]; then
-        (cd .ab/A && PYTHONPATH=$PWD/python:$PWD/generated/python:$PWD:/tmp/site timeout 150 $BENCH \
-          --out "$OUT/runtime_A$run.json" | tail -12)
-      else
-        PYTHONPATH=/tmp/site:$PWD timeout 150 $BENCH --out "$OUT/runtime_B$run.json" | tail -12
-      fi
+      site=/tmp/site
+      [ $side = A ] && site=/tmp/siteA:/tmp/site
+      PYTHONPATH=$site:$PWD timeout 150 $BENCH --out "$OUT/runtime_$side$run.json" | tail -12
     done
   done
   if [ "${1:-}" = tests ]; then

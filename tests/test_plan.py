@@ -22,7 +22,7 @@ BIG = 1 << 62
 
 def oracle_forward(rpi: list[int], pre: list[int], ext: list[int], table: list[list[int]], num_tokens: int,
                    window: int = 0, padding_row: int = -1, ep: list[int] | None = None,
-                   en: list[int] | None = None) -> tuple[list[list[int]], list[int]]:
+                   en: list[int] | None = None, fm: list[int] | None = None) -> tuple[list[list[int]], list[int]]:
     R = len(table)
     L = len(table[0]) if table else 0
     segs: list[list[int]] = []
@@ -41,6 +41,8 @@ def oracle_forward(rpi: list[int], pre: list[int], ext: list[int], table: list[l
                 r[PlanCol.FIRST_PREV_SLOT], r[PlanCol.SEED_SLOT] = NO_SLOT, NO_SLOT
                 r[PlanCol.WRITE_BEGIN], r[PlanCol.WRITE_LEN] = wb, e
                 r[PlanCol.FLAGS] = PlanFlag.FIRST_IS_HEAD | PlanFlag.SEED_IS_HEAD | PlanFlag.PADDING
+                if fm is not None:
+                    r[PlanCol.FLAGS] &= fm[i]
                 segs.append(r)
                 status[PlanStatusCol.WRITE_ENTRIES] += e
             continue
@@ -64,6 +66,8 @@ def oracle_forward(rpi: list[int], pre: list[int], ext: list[int], table: list[l
         r[PlanCol.FLAGS] = ((PlanFlag.FIRST_IS_HEAD if vb == 0 else 0) | (PlanFlag.SEED_IS_HEAD if p == 0 else 0)
                             | (PlanFlag.EXPECT_PREFIX if ep is not None else 0)
                             | (PlanFlag.EXPECT_NEW if en is not None else 0))
+        if fm is not None:
+            r[PlanCol.FLAGS] &= fm[i]
         segs.append(r)
         status[PlanStatusCol.VERIFY_ENTRIES] += p - vb
         status[PlanStatusCol.WRITE_ENTRIES] += e
@@ -137,6 +141,18 @@ def test_forward_hand_case(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_flag_mask_hand_case(backend: str) -> None:
+    """Each request's rows keep only the flags of its mask; values stay; a padding segment is masked too."""
+    table = torch.arange(2 * 4, dtype=torch.int64).view(2, 4) + 50
+    ep, en = int(PlanFlag.EXPECT_PREFIX), int(PlanFlag.EXPECT_NEW)
+    segs, _ = run_forward(backend, 4, [1, 1, 0], [2, 0, 0], [1, 1, 1], table, 3, padding_row=0, expect_prefix=[7, 8, 9],
+                          expect_new=[4, 5, 6], flag_mask=[~ep, -1, ~int(PlanFlag.PADDING)])
+    fh, sh = int(PlanFlag.FIRST_IS_HEAD), int(PlanFlag.SEED_IS_HEAD)
+    assert [s[PlanCol.FLAGS] for s in segs] == [fh | en, fh | sh | ep | en, fh | sh]
+    assert [(s[PlanCol.EXPECT_PREFIX], s[PlanCol.EXPECT_NEW]) for s in segs] == [(7, 4), (8, 5), (0, 0)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_overflow_and_huge_values(backend: str) -> None:
     table = torch.zeros(2, 4, dtype=torch.int64)
     # A huge extend on an invalid request still advances the offset: everything after it overflows.
@@ -179,16 +195,19 @@ def _random_forward(rng: random.Random) -> dict[str, Any]:
         kw["expect_prefix"] = [rng.getrandbits(63) - (1 << 62) for _ in range(bs)]
     if rng.random() < 0.5:
         kw["expect_new"] = [rng.getrandbits(63) - (1 << 62) for _ in range(bs)]
+    if rng.random() < 0.5:  # the runtime's masks (keep all, drop either EXPECT_* flag) and arbitrary bits
+        kw["flag_mask"] = [rng.choice([-1, ~int(PlanFlag.EXPECT_PREFIX), ~int(PlanFlag.EXPECT_NEW),
+                                       rng.getrandbits(63) - (1 << 62)]) for _ in range(bs)]
     total = sum(max(e, 0) for e in ext if e < BIG)
     num_tokens = rng.choice([total, total + 2, max(0, total - rng.randint(0, 3))])
     return {"rpi": rpi, "pre": pre, "ext": ext, "table": table, "num_tokens": num_tokens, **kw}
 
 
 def _check_forward(case: dict[str, Any], cap_extra: int) -> None:
-    kw = {k: case[k] for k in ("window", "padding_row", "expect_prefix", "expect_new") if k in case}
+    kw = {k: case[k] for k in ("window", "padding_row", "expect_prefix", "expect_new", "flag_mask") if k in case}
     want = oracle_forward(case["rpi"], case["pre"], case["ext"], case["table"].tolist(), case["num_tokens"],
                           kw.get("window", 0), kw.get("padding_row", -1), kw.get("expect_prefix"),
-                          kw.get("expect_new"))
+                          kw.get("expect_new"), kw.get("flag_mask"))
     cap = len(case["rpi"]) + cap_extra
     for backend in BACKENDS:
         got = run_forward(backend, cap, case["rpi"], case["pre"], case["ext"], case["table"], case["num_tokens"],
@@ -212,7 +231,7 @@ def test_forward_property(seed: int) -> None:
 def _check_reuse_fold(case: dict[str, Any], rng: random.Random) -> None:
     """plan_forward with reuse=(...) writes the main plan unchanged and, in its reuse buffers, exactly the separate
     plan_forward of (reuse_lens, no new tokens, window 0, no expected values)."""
-    kw = {k: case[k] for k in ("window", "padding_row", "expect_prefix", "expect_new") if k in case}
+    kw = {k: case[k] for k in ("window", "padding_row", "expect_prefix", "expect_new", "flag_mask") if k in case}
     bs, cap = len(case["rpi"]), len(case["rpi"]) + rng.randint(0, 2)
     reuse_lens = [rng.choice([0, 0, -1, BIG, rng.randint(0, 9)]) for _ in range(bs)]
     want_main = run_forward("torch", cap, case["rpi"], case["pre"], case["ext"], case["table"], case["num_tokens"],
@@ -381,20 +400,21 @@ def test_native_entry_validates_again() -> None:
     a = _forward_args()
     e = torch.empty(0, dtype=torch.int64)
     call = [a["plan"], a["status"], a["req_pool_indices"], a["prefix_lens"], a["extend_lens"], a["req_to_token"],
-            e, 0, e, 0, 2, 0, -1, 1, e, e, e, 0]
+            e, 0, e, 0, e, 0, 2, 0, -1, 1, e, e, e, 0]
     m.plan_forward(*call)
     reuse = list(call)
-    reuse[14:18] = [torch.zeros_like(a["plan"]), torch.zeros_like(a["status"]), a["prefix_lens"].clone(), 1]
+    reuse[16:20] = [torch.zeros_like(a["plan"]), torch.zeros_like(a["status"]), a["prefix_lens"].clone(), 1]
     m.plan_forward(*reuse)
     for k, bad in [(0, torch.zeros(1, NUM_PLAN_COLS, dtype=torch.int64)), (1, torch.zeros(3, dtype=torch.int64)),
                    (3, i64([1])), (4, a["extend_lens"].to(torch.int32)), (5, torch.zeros(2, 5)),
-                   (6, i64([1])), (7, 1), (10, -1), (11, -1), (12, -3), (13, 0), (13, 1 << 40)]:
+                   (6, i64([1])), (7, 1), (10, i64([1])), (10, i64([1, 2]).to(torch.int32)), (11, 1), (12, -1),
+                   (13, -1), (14, -3), (15, 0), (15, 1 << 40)]:
         bad_call = list(call)
         bad_call[k] = bad
         with pytest.raises((ValueError, TypeError)):
             m.plan_forward(*bad_call)
-    for k, bad in [(14, torch.zeros(1, NUM_PLAN_COLS, dtype=torch.int64)), (15, torch.zeros(3, dtype=torch.int64)),
-                   (16, i64([1])), (16, a["prefix_lens"].to(torch.int32))]:
+    for k, bad in [(16, torch.zeros(1, NUM_PLAN_COLS, dtype=torch.int64)), (17, torch.zeros(3, dtype=torch.int64)),
+                   (18, i64([1])), (18, a["prefix_lens"].to(torch.int32))]:
         bad_call = list(reuse)
         bad_call[k] = bad
         with pytest.raises((ValueError, TypeError)):

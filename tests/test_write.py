@@ -16,7 +16,7 @@ from kvcanary.ops import hashes as H
 from kvcanary.ops.fingerprint import fingerprint as fp_op
 from kvcanary.ops.plan import plan_forward
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
-from kvcanary.ops.write import powers, write
+from kvcanary.ops.write import powers, write, write_workspace
 from kvcanary.truth import ChainHasher
 from kvcanary_schema import (
     NO_SLOT,
@@ -397,7 +397,8 @@ def make_case(seed: int, *, halves: int = 2, swa: bool = False, fp: bool = False
                 torch.tensor(loc, dtype=torch.int64), checks, tp, fpr, written)
 
 
-def run_case(case: Case, backend: str, cap: int = 4096) -> tuple[torch.Tensor, Sink]:
+def run_case(case: Case, backend: str, cap: int = 4096,
+             workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, Sink]:
     rec = case.group.records.clone()
     g = GroupView(rec, case.group.group, case.group.reserved_slots, case.group.swa_map)
     sink = Sink.allocate(cap)
@@ -408,7 +409,7 @@ def run_case(case: Case, backend: str, cap: int = 4096) -> tuple[torch.Tensor, S
                    token_pool=case.pool, fingerprint=case.fp, table=case.table)
     else:
         write(g, case.stage, case.plan, case.status, case.table, case.ids, case.pos, case.loc, sink,
-              checks=case.checks, token_pool=case.pool, fingerprint=case.fp, backend=backend)
+              checks=case.checks, token_pool=case.pool, fingerprint=case.fp, workspace=workspace, backend=backend)
     return rec, sink
 
 
@@ -551,6 +552,8 @@ def _args() -> dict[str, object]:
     ({"checks": -1}, "checks"),
     ({"token_pool": "pool"}, "token_pool"),
     ({"backend": "tpu"}, "backend"),
+    ({"workspace": torch.zeros(2, 3, dtype=torch.int64)}, "workspace"),
+    ({"workspace": torch.zeros(8, dtype=torch.int32)}, "workspace"),
     ({"backend": "cuda"}, "cuda"),
 ])
 def test_wrapper_rejects_bad_arguments(change: dict[str, object], match: str) -> None:
@@ -584,7 +587,7 @@ def test_native_entry_rejects_bad_arguments() -> None:
                                 "table": a["table"], "ids": a["input_ids"], "pos": a["positions"],
                                 "loc": a["out_cache_loc"], "rows": sink.rows, "count": sink.count,
                                 "counters": sink.counters, "step": sink.step, "checks": 0, "pt": e, "pl": e,
-                                "has_pool": 0, "off": 0, "fpt": e, "mode": 0, "stride": 1, "page": 1}
+                                "has_pool": 0, "off": 0, "fpt": e, "mode": 0, "stride": 1, "page": 1, "ws": e}
         v.update(kw)
         mod.write(*v.values())
 
@@ -597,6 +600,10 @@ def test_native_entry_rejects_bad_arguments() -> None:
         call(tag1=12)
     with pytest.raises(TypeError, match="int64"):
         call(ids=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="workspace"):
+        call(ws=torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="workspace"):
+        call(ws=torch.zeros(2, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="shape"):
         call(pos=torch.arange(4))
     with pytest.raises(ValueError, match="plan"):
@@ -611,3 +618,16 @@ def test_native_entry_rejects_bad_arguments() -> None:
         call(has_pool=1, pt=torch.zeros(2, 4, dtype=torch.int64), pl=torch.zeros(3, dtype=torch.int64))
     flags = int(PlanFlag.SEED_IS_HEAD)
     assert flags  # the plan flags are schema values, never literals
+
+
+def test_write_workspace_is_empty_on_cpu_and_changes_no_result() -> None:
+    assert write_workspace(10_000, "cpu").numel() == 0
+    for bad in (-1, 2.5, True):
+        with pytest.raises(CanaryInputError, match="max_tokens"):
+            write_workspace(bad, "cpu")  # type: ignore[arg-type]
+    case = make_case(3, checks=ALL_CHECKS, fp=True)
+    for backend in ("torch", "cpu"):
+        want_rec, want_sink = run_case(case, backend)
+        got_rec, got_sink = run_case(case, backend, workspace=torch.zeros(64, dtype=torch.int64))
+        assert torch.equal(got_rec, want_rec) and ring_rows(got_sink) == ring_rows(want_sink)
+        assert torch.equal(got_sink.counters, want_sink.counters)

@@ -35,10 +35,13 @@ KVC_HD int64_t plan_forward_verify_begin(int64_t pre, int64_t window) {
   return (window > 0 && pre > window) ? pre - window : 0;
 }
 
-// Fill one plan row (NUM_PLAN_COLS int64) for a request classified kSegment.
+// The flag mask of a forward plan without one: every flag kept.
+constexpr int64_t kKeepAllFlags = -1;
+
+// Fill one plan row (NUM_PLAN_COLS int64) for a request classified kSegment; its FLAGS are ANDed with flag_mask.
 KVC_HD void plan_forward_fill(int64_t* out, int64_t i, int64_t row, int64_t pre, int64_t ext, int64_t wb,
                               int64_t window, int64_t entry_offset, const SlotTable& table, bool has_expect_prefix,
-                              int64_t expect_prefix, bool has_expect_new, int64_t expect_new) {
+                              int64_t expect_prefix, bool has_expect_new, int64_t expect_new, int64_t flag_mask) {
   const int64_t vb = plan_forward_verify_begin(pre, window);
   int64_t flags = 0;
   if (vb == 0) flags |= bits(PlanFlag::FIRST_IS_HEAD);
@@ -58,12 +61,12 @@ KVC_HD void plan_forward_fill(int64_t* out, int64_t i, int64_t row, int64_t pre,
   out[col(PlanCol::PREFIX_LEN)] = pre;
   out[col(PlanCol::EXPECT_PREFIX)] = has_expect_prefix ? expect_prefix : 0;
   out[col(PlanCol::EXPECT_NEW)] = has_expect_new ? expect_new : 0;
-  out[col(PlanCol::FLAGS)] = flags;
+  out[col(PlanCol::FLAGS)] = flags & flag_mask;
 }
 
 // Fill one plan row for a padding row classified kPaddingSegment (no verify range, no seed, no expectations).
 KVC_HD void plan_forward_fill_padding(int64_t* out, int64_t i, int64_t row, int64_t pre, int64_t ext, int64_t wb,
-                                      int64_t entry_offset) {
+                                      int64_t entry_offset, int64_t flag_mask) {
   out[col(PlanCol::BATCH_INDEX)] = i;
   out[col(PlanCol::ROW)] = row;
   out[col(PlanCol::IDX_BEGIN)] = 0;
@@ -77,7 +80,8 @@ KVC_HD void plan_forward_fill_padding(int64_t* out, int64_t i, int64_t row, int6
   out[col(PlanCol::PREFIX_LEN)] = pre;
   out[col(PlanCol::EXPECT_PREFIX)] = 0;
   out[col(PlanCol::EXPECT_NEW)] = 0;
-  out[col(PlanCol::FLAGS)] = bits(PlanFlag::FIRST_IS_HEAD) | bits(PlanFlag::SEED_IS_HEAD) | bits(PlanFlag::PADDING);
+  out[col(PlanCol::FLAGS)] =
+      (bits(PlanFlag::FIRST_IS_HEAD) | bits(PlanFlag::SEED_IS_HEAD) | bits(PlanFlag::PADDING)) & flag_mask;
 }
 
 // A sweep chain is planned iff its range lies in the flat slots [0, n) and its first position is >= 0.

@@ -1,15 +1,15 @@
 // CPU entry points of the plan ops (docs/ops-contract.md 2-3). Native signatures (identical in csrc/cuda/plan.cu):
 //   plan_forward(plan, status, req_pool_indices, prefix_lens, extend_lens, req_to_token,
-//                expect_prefix, has_expect_prefix, expect_new, has_expect_new, num_tokens, window, padding_row,
-//                table_page, reuse_plan, reuse_status, reuse_lens, has_reuse)
+//                expect_prefix, has_expect_prefix, expect_new, has_expect_new, flag_mask, has_flag_mask, num_tokens,
+//                window, padding_row, table_page, reuse_plan, reuse_status, reuse_lens, has_reuse)
 //     (all scalars and has_* flags int64)
 //     plan int64 [cap, NUM_PLAN_COLS], status int64 [NUM_PLAN_STATUS_COLS] (overwritten), req_pool_indices /
-//     prefix_lens / extend_lens int64 [bs] (cap >= bs), req_to_token int32|int64 [R, L], expect_* int64 [bs] or a
-//     0-element int64 tensor with has_* = 0; num_tokens >= 0, window >= 0, padding_row >= -1, table_page >= 1
+//     prefix_lens / extend_lens int64 [bs] (cap >= bs), req_to_token int32|int64 [R, L], expect_* and flag_mask
+//     int64 [bs] or a 0-element int64 tensor with has_* = 0 (flag_mask: request i's rows get FLAGS &= flag_mask[i]); num_tokens >= 0, window >= 0, padding_row >= -1, table_page >= 1
 //     (slots per table entry: 1 = req_to_token, else a block table with slot = table[r, c / page] * page + c % page);
 //     has_reuse: reuse_plan int64 [cap >= bs, NUM_PLAN_COLS] / reuse_status [NUM_PLAN_STATUS_COLS] also receive the
-//     plan of (req_pool_indices, prefix_lens = reuse_lens int64 [bs], no new tokens, window 0, no expected values),
-//     in the same call (0-element int64 tensors when has_reuse = 0).
+//     plan of (req_pool_indices, prefix_lens = reuse_lens int64 [bs], no new tokens, window 0, no expected values, no
+//     flag mask), in the same call (0-element int64 tensors when has_reuse = 0).
 //   plan_sweep(plan, status, slots, starts, lens, first_positions, prev_slots, expect_end, has_expect_end)
 //     slots int64 [N]; starts / lens / first_positions / prev_slots int64 [n] (cap >= n); expect_end int64 [n] or
 //     a 0-element int64 tensor with has_expect_end = 0.
@@ -58,20 +58,22 @@ void fill_sweep(TensorView plan, TensorView status, int64_t n, int64_t num_slots
   set_status(static_cast<int64_t*>(status.data_ptr()), segments, verify_entries, 0, errors, 0);
 }
 
-// One plan_forward over bs requests into out/st; ext == nullptr: every request has 0 new tokens; ep / en ==
+// One plan_forward over bs requests into out/st; ext == nullptr: every request has 0 new tokens; ep / en / mask ==
 // nullptr: absent.
 void plan_forward_loop(int64_t* out, int64_t* st, const int64_t* rpi, const int64_t* pre, const int64_t* ext_or_null,
                        int64_t bs, const SlotTable& table, int64_t num_tokens, int64_t window, int64_t padding_row,
-                       const int64_t* ep, const int64_t* en) {
+                       const int64_t* ep, const int64_t* en, const int64_t* mask) {
   int64_t tok = 0, segments = 0, verify_entries = 0, write_entries = 0, errors = 0, overflow = 0;
   for (int64_t i = 0; i < bs; ++i) {
     const int64_t wb = tok, ext = ext_or_null != nullptr ? ext_or_null[i] : 0;
     tok = plan_token_cap(tok + plan_token_term(ext, num_tokens), num_tokens);
+    const int64_t flag_mask = mask != nullptr ? mask[i] : kKeepAllFlags;
     switch (plan_forward_classify(rpi[i], pre[i], ext, wb, table.rows, table.cols, num_tokens, padding_row)) {
       case PlanOutcome::kPadding:
         break;
       case PlanOutcome::kPaddingSegment:
-        plan_forward_fill_padding(out + segments * kNumPlanCols, i, rpi[i], pre[i], ext, wb, verify_entries);
+        plan_forward_fill_padding(out + segments * kNumPlanCols, i, rpi[i], pre[i], ext, wb, verify_entries,
+                                  flag_mask);
         write_entries += ext;
         ++segments;
         break;
@@ -84,7 +86,8 @@ void plan_forward_loop(int64_t* out, int64_t* st, const int64_t* rpi, const int6
         break;
       case PlanOutcome::kSegment:
         plan_forward_fill(out + segments * kNumPlanCols, i, rpi[i], pre[i], ext, wb, window, verify_entries, table,
-                          ep != nullptr, ep != nullptr ? ep[i] : 0, en != nullptr, en != nullptr ? en[i] : 0);
+                          ep != nullptr, ep != nullptr ? ep[i] : 0, en != nullptr, en != nullptr ? en[i] : 0,
+                          flag_mask);
         verify_entries += pre[i] - plan_forward_verify_begin(pre[i], window);
         write_entries += ext;
         ++segments;
@@ -98,9 +101,9 @@ void plan_forward_loop(int64_t* out, int64_t* st, const int64_t* rpi, const int6
 
 void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indices, TensorView prefix_lens,
                   TensorView extend_lens, TensorView req_to_token, TensorView expect_prefix, int64_t has_expect_prefix,
-                  TensorView expect_new, int64_t has_expect_new, int64_t num_tokens, int64_t window,
-                  int64_t padding_row, int64_t table_page, TensorView reuse_plan, TensorView reuse_status,
-                  TensorView reuse_lens, int64_t has_reuse) {
+                  TensorView expect_new, int64_t has_expect_new, TensorView flag_mask, int64_t has_flag_mask,
+                  int64_t num_tokens, int64_t window, int64_t padding_row, int64_t table_page, TensorView reuse_plan,
+                  TensorView reuse_status, TensorView reuse_lens, int64_t has_reuse) {
   check_device_type(req_pool_indices, kDLCPU, "req_pool_indices");
   const int64_t bs = check_chain_arrays(req_pool_indices, "req_pool_indices", req_pool_indices, "req_pool_indices",
                                         {{&prefix_lens, "prefix_lens"}, {&extend_lens, "extend_lens"}});
@@ -108,6 +111,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
   check_plan_out(plan, status, req_pool_indices, "req_pool_indices", bs);
   check_optional(expect_prefix, has_expect_prefix, req_pool_indices, bs, "expect_prefix", "req_pool_indices");
   check_optional(expect_new, has_expect_new, req_pool_indices, bs, "expect_new", "req_pool_indices");
+  check_optional(flag_mask, has_flag_mask, req_pool_indices, bs, "flag_mask", "req_pool_indices");
   if (has_reuse) {
     check_plan_out(reuse_plan, reuse_status, req_pool_indices, "req_pool_indices", bs);
     check_i64_tensor(reuse_lens, req_pool_indices, 1, "reuse_lens", "req_pool_indices");
@@ -123,11 +127,12 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
                     static_cast<const int64_t*>(prefix_lens.data_ptr()),
                     static_cast<const int64_t*>(extend_lens.data_ptr()), bs, table, num_tokens, window, padding_row,
                     has_expect_prefix ? static_cast<const int64_t*>(expect_prefix.data_ptr()) : nullptr,
-                    has_expect_new ? static_cast<const int64_t*>(expect_new.data_ptr()) : nullptr);
-  if (has_reuse) {  // the reuse plan: prefix_lens = reuse_lens, no new tokens, window 0, no expected values
+                    has_expect_new ? static_cast<const int64_t*>(expect_new.data_ptr()) : nullptr,
+                    has_flag_mask ? static_cast<const int64_t*>(flag_mask.data_ptr()) : nullptr);
+  if (has_reuse) {  // the reuse plan: prefix_lens = reuse_lens, no new tokens, window 0, no expected values or mask
     plan_forward_loop(static_cast<int64_t*>(reuse_plan.data_ptr()), static_cast<int64_t*>(reuse_status.data_ptr()),
                       rpi, static_cast<const int64_t*>(reuse_lens.data_ptr()), nullptr, bs, table, num_tokens, 0,
-                      padding_row, nullptr, nullptr);
+                      padding_row, nullptr, nullptr, nullptr);
   }
 }
 

@@ -11,7 +11,9 @@
 //         checks: int64 (WriteCheck bits; STRUCTURAL reads table),
 //         pool_tokens: int64 [R', L'], pool_lens: int64 [R'], has_pool: int64, token_offset: int64,
 //         fp_table: int64 [H' >= H, n, NUM_FP_SOURCE_COLS], fp_mode: int64 (FingerprintMode; NONE = none),
-//         fp_layer_stride: int64, table_page: int64 (slots per table entry, as plan_forward's)) -> None
+//         fp_layer_stride: int64, table_page: int64 (slots per table entry, as plan_forward's),
+//         workspace: int64 [W] (the CUDA tile scan's look-back scratch, docs/ops-contract.md 5: zeroed once, one write
+//         op's own; 0-element = none; this serial backend checks it and needs none)) -> None
 //   (the same order as verify's native entry for the shared leading and trailing arguments)
 #include <tvm/ffi/function.h>
 
@@ -23,8 +25,9 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
            TensorView plan, TensorView status, TensorView table, TensorView input_ids, TensorView positions,
            TensorView out_cache_loc, TensorView ring_rows, TensorView ring_count, TensorView counters, TensorView step,
            int64_t checks, TensorView pool_tokens, TensorView pool_lens, int64_t has_pool, int64_t token_offset,
-           TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride, int64_t table_page) {
+           TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride, int64_t table_page, TensorView workspace) {
   check_device_type(records, kDLCPU, "records");
+  check_i64_tensor(workspace, records, 1, "workspace", "records");
   const WriteArgs a = make_write_args(records, swa_map, is_swa, reserved_slots, tag0, tag1, plan, status, table,
                                       input_ids, positions, out_cache_loc, ring_rows, ring_count, counters, step,
                                       checks, pool_tokens, pool_lens, has_pool, token_offset, fp_table, fp_mode,

@@ -20,6 +20,7 @@ struct PlanForwardArgs {
   const int64_t* extend_lens;    // nullptr: no new tokens (the reuse plan)
   const int64_t* expect_prefix;  // nullptr: absent
   const int64_t* expect_new;     // nullptr: absent
+  const int64_t* flag_mask;      // nullptr: absent (every flag kept)
   SlotTable table;
   int64_t bs;
   int64_t num_tokens;
@@ -50,6 +51,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwa
     if (in) {
       if (a.expect_prefix != nullptr) prefetch_l1(a.expect_prefix + i);
       if (a.expect_new != nullptr) prefetch_l1(a.expect_new + i);
+      if (a.flag_mask != nullptr) prefetch_l1(a.flag_mask + i);
       if (row >= 0 && row < a.table.rows && pre > 0 && pre <= a.table.cols) {
         prefetch_table(a.table, row, pre - 1);
         const int64_t vb = plan_forward_verify_begin(pre, a.window);
@@ -73,14 +75,15 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwa
                          out == PlanOutcome::kOverflow ? 1 : 0};
     int64_t wtotal[kLanes];
     block_exclusive_sum<kPlanThreads, kLanes>(w, wtotal, scratch);
+    const int64_t mask = (seg || pad_seg) && a.flag_mask != nullptr ? a.flag_mask[i] : kKeepAllFlags;
     if (seg) {
       const int64_t s = carry[kSeg] + w[kSeg];
       plan_forward_fill(a.plan + s * kNumPlanCols, i, row, pre, ext, wb, a.window, carry[kVer] + w[kVer], a.table,
                         a.expect_prefix != nullptr, a.expect_prefix != nullptr ? a.expect_prefix[i] : 0,
-                        a.expect_new != nullptr, a.expect_new != nullptr ? a.expect_new[i] : 0);
+                        a.expect_new != nullptr, a.expect_new != nullptr ? a.expect_new[i] : 0, mask);
     } else if (pad_seg) {
       plan_forward_fill_padding(a.plan + (carry[kSeg] + w[kSeg]) * kNumPlanCols, i, row, pre, ext, wb,
-                                carry[kVer] + w[kVer]);
+                                carry[kVer] + w[kVer], mask);
     }
     carry[kTok] = plan_token_cap(carry[kTok] + total[kTok], a.num_tokens);
 #pragma unroll
@@ -173,9 +176,9 @@ void launch_sweep_plan(const TensorView& plan, const TensorView& status, const C
 
 void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indices, TensorView prefix_lens,
                   TensorView extend_lens, TensorView req_to_token, TensorView expect_prefix, int64_t has_expect_prefix,
-                  TensorView expect_new, int64_t has_expect_new, int64_t num_tokens, int64_t window,
-                  int64_t padding_row, int64_t table_page, TensorView reuse_plan, TensorView reuse_status,
-                  TensorView reuse_lens, int64_t has_reuse) {
+                  TensorView expect_new, int64_t has_expect_new, TensorView flag_mask, int64_t has_flag_mask,
+                  int64_t num_tokens, int64_t window, int64_t padding_row, int64_t table_page, TensorView reuse_plan,
+                  TensorView reuse_status, TensorView reuse_lens, int64_t has_reuse) {
   check_cuda(plan, "plan");
   const int64_t bs = check_chain_arrays(plan, "plan", req_pool_indices, "req_pool_indices",
                                         {{&prefix_lens, "prefix_lens"}, {&extend_lens, "extend_lens"}});
@@ -186,6 +189,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
   TVM_FFI_CHECK(padding_row >= -1, ValueError) << "padding_row must be >= -1, got " << padding_row;
   check_optional(expect_prefix, has_expect_prefix, plan, bs, "expect_prefix", "plan");
   check_optional(expect_new, has_expect_new, plan, bs, "expect_new", "plan");
+  check_optional(flag_mask, has_flag_mask, plan, bs, "flag_mask", "plan");
   if (has_reuse) {
     check_plan_out(reuse_plan, reuse_status, plan, "plan", bs);
     check_i64_tensor(reuse_lens, plan, 1, "reuse_lens", "plan");
@@ -198,6 +202,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
                     static_cast<const int64_t*>(extend_lens.data_ptr()),
                     has_expect_prefix ? static_cast<const int64_t*>(expect_prefix.data_ptr()) : nullptr,
                     has_expect_new ? static_cast<const int64_t*>(expect_new.data_ptr()) : nullptr,
+                    has_flag_mask ? static_cast<const int64_t*>(flag_mask.data_ptr()) : nullptr,
                     slot_table_of(req_to_token, table_page, "req_to_token"),
                     bs,
                     num_tokens,
@@ -206,7 +211,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
   const DLDevice dev = plan.device();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   PlanForwardLaunch launch{{a, a}};
-  if (has_reuse) {  // the reuse plan: prefix_lens = reuse_lens, no new tokens, window 0, no expected values
+  if (has_reuse) {  // the reuse plan: prefix_lens = reuse_lens, no new tokens, window 0, no expected values or mask
     PlanForwardArgs& r = launch.args[1];
     r.plan = static_cast<int64_t*>(reuse_plan.data_ptr());
     r.status = static_cast<int64_t*>(reuse_status.data_ptr());
@@ -214,6 +219,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
     r.extend_lens = nullptr;
     r.expect_prefix = nullptr;
     r.expect_new = nullptr;
+    r.flag_mask = nullptr;
     r.window = 0;
   }
   plan_forward_kernel<<<has_reuse ? 2 : 1, kPlanThreads, 0, stream_of(dev)>>>(launch);

@@ -1,11 +1,13 @@
 // CUDA write (docs/ops-contract.md 5): the chain of each segment is an exclusive affine scan (core/write.cuh
-// WriteCarry) over flat token tiles. A tile takes the carry of its first segment's earlier tokens by reducing them
-// itself (no inter-block communication, no workspace: graph-safe), scans its tokens block-wide with segment heads,
-// then stores both halves. PARTIAL fingerprints (a few bytes per token) are hashed by the token's own thread, also
+// WriteCarry) over flat token tiles. A tile scans its tokens block-wide with segment heads; the carry of its first
+// segment's earlier tokens comes, with a workspace, from the earlier tiles' published aggregates (a decoupled
+// look-back), else by reducing those tokens itself; then it stores both halves. PARTIAL fingerprints (a few bytes per token) are hashed by the token's own thread, also
 // on the one-block decode path. ALL fingerprints (the seal: every byte of every layer) use small tiles, down to one
 // token per block, so that the rows spread over every SM, and the block's warps share the tile's (token, half,
 // layer) rows (block_fp_sums).
 #include <tvm/ffi/function.h>
+
+#include <algorithm>
 
 #include "core/write.cuh"
 #include "cuda/block_scan.cuh"
@@ -37,6 +39,15 @@ __device__ __forceinline__ ScanElem shfl_up_elem(const ScanElem& x, int d) {
   r.c.map.mul = __shfl_up_sync(0xffffffffu, x.c.map.mul, d);
   r.c.map.add = __shfl_up_sync(0xffffffffu, x.c.map.add, d);
   r.c.last_j = __shfl_up_sync(0xffffffffu, x.c.last_j, d);
+  return r;
+}
+
+__device__ __forceinline__ ScanElem shfl_down_elem(const ScanElem& x, int d) {
+  ScanElem r;
+  r.head = __shfl_down_sync(0xffffffffu, x.head ? 1 : 0, d) != 0;
+  r.c.map.mul = __shfl_down_sync(0xffffffffu, x.c.map.mul, d);
+  r.c.map.add = __shfl_down_sync(0xffffffffu, x.c.map.add, d);
+  r.c.last_j = __shfl_down_sync(0xffffffffu, x.c.last_j, d);
   return r;
 }
 
@@ -204,6 +215,81 @@ __device__ __forceinline__ void write_segment_serial(const WriteArgs& a, const i
   }
 }
 
+// The look-back workspace (int64): a header, then per tile its aggregate and the flag that publishes it. Zeroed once
+// at allocation; each launch takes tile tickets in start order (a block waits only on tiles whose blocks already run),
+// publishes with flag = generation + 1, and its last block to finish restores the ticket and done counters and bumps
+// the generation, so every launch (a graph replay too) starts as the first did.
+constexpr int64_t kWsTicket = 0, kWsDone = 1, kWsGen = 2, kWsHeader = 4;
+constexpr int64_t kWsFlag = 0, kWsHead = 1, kWsMul = 2, kWsAdd = 3, kWsLastJ = 4, kWsTileCols = 8;
+
+struct ScanWorkspace {
+  int64_t* data;  // nullptr: none (the tile reduces its carry itself)
+  int64_t tiles;  // tile slots after the header
+};
+
+__device__ __forceinline__ int64_t load_acquire(const int64_t* p) {
+  int64_t v;
+  asm volatile("ld.acquire.gpu.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release(int64_t* p, int64_t v) {
+  asm volatile("st.release.gpu.global.s64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Publish tile t's aggregate (one thread).
+__device__ __forceinline__ void ws_publish(const ScanWorkspace& ws, int64_t t, int64_t gen, const ScanElem& agg) {
+  volatile int64_t* slot = ws.data + kWsHeader + t * kWsTileCols;
+  slot[kWsHead] = agg.head ? 1 : 0;
+  slot[kWsMul] = static_cast<int64_t>(agg.c.map.mul);
+  slot[kWsAdd] = static_cast<int64_t>(agg.c.map.add);
+  slot[kWsLastJ] = agg.c.last_j;
+  store_release(ws.data + kWsHeader + t * kWsTileCols + kWsFlag, gen + 1);
+}
+
+// Tile t's aggregate once published (spins until then).
+__device__ __forceinline__ ScanElem ws_wait(const ScanWorkspace& ws, int64_t t, int64_t gen) {
+  const int64_t* slot = ws.data + kWsHeader + t * kWsTileCols;
+  while (load_acquire(slot + kWsFlag) != gen + 1) __nanosleep(20);
+  const volatile int64_t* v = slot;
+  ScanElem e;
+  e.head = v[kWsHead] != 0;
+  e.c.map.mul = static_cast<uint64_t>(v[kWsMul]);
+  e.c.map.add = static_cast<uint64_t>(v[kWsAdd]);
+  e.c.last_j = v[kWsLastJ];
+  return e;
+}
+
+// The ordered composition of tiles [0, t) back to the last segment head among them (warp 0 of the block; the result is
+// valid in lane 0): 32 tiles per step, latest in lane 0, until a step holds a head.
+__device__ __forceinline__ ScanElem ws_look_back(const ScanWorkspace& ws, int64_t t, int64_t gen) {
+  const int lane = threadIdx.x % kWarp;
+  ScanElem acc = scan_identity();
+  for (int64_t base = t - 1; base >= 0; base -= kWarp) {
+    const int64_t idx = base - lane;
+    ScanElem x = idx >= 0 ? ws_wait(ws, idx, gen) : scan_identity();
+    // lanes hold tiles latest-first: after the step of distance d, lane l holds lanes [l, l + 2d) composed earliest
+    // (highest lane) first
+#pragma unroll
+    for (int d = 1; d < kWarp; d <<= 1) {
+      const ScanElem y = shfl_down_elem(x, d);
+      if (lane + d < kWarp) x = scan_op(y, x);
+    }
+    acc = scan_op(x, acc);
+    if (__shfl_sync(0xffffffffu, acc.head ? 1 : 0, 0) != 0) break;  // earlier tiles cannot reach past a head
+  }
+  return acc;
+}
+
+// Tokens per tile of the fingerprint path: about two tiles per SM, 1..kWriteThreads tokens (a decode seal of 256
+// tokens: one token's rows per block, all in flight at once, instead of 8 blocks whose warps walk 4 tokens x every
+// layer one after another).
+int64_t fp_tile(int64_t num_tokens, int device_id) {
+  const int64_t want = ceil_div(num_tokens, 2 * static_cast<int64_t>(sm_count(device_id)));
+  int64_t tile = 1;
+  while (tile < want && tile < kWriteThreads) tile *= 2;
+  return tile;
+}
+
 // Longest segment the one-block serial path takes (decode: 1; its entries are dependent round trips, the scan path
 // loads a tile at once); longer ones go through the block scans.
 constexpr int64_t kSerialMaxLen = 4;
@@ -229,7 +315,7 @@ struct Item {
 };
 
 template <int kItems, bool kFp>
-__global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64_t tile) {
+__global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64_t tile, ScanWorkspace ws) {
   __shared__ ScanShared sh;
   __shared__ BlockSumScratch<kWriteThreads, 1> sh_sum;
   __shared__ int64_t s_mark[kWriteThreads * kItems];     // segment whose first in-tile entry is here, -1 = none
@@ -271,6 +357,15 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
                                                   tally);
     }
   }
+  // With a workspace (several blocks, one tile each): this block's tile is its ticket, and the launch's generation.
+  __shared__ int64_t s_ws[2];
+  if (ws.data != nullptr) {
+    if (threadIdx.x == 0) {
+      s_ws[0] = static_cast<int64_t>(atomicAdd(reinterpret_cast<unsigned long long*>(ws.data + kWsTicket), 1ULL));
+      s_ws[1] = load_acquire(ws.data + kWsGen);
+    }
+    __syncthreads();
+  }
   if (!serial) {  // block-uniform
     // Dense entry space: segment s owns entries [off_s, off_s + entries_s). Each thread sums a chunk of segments.
     const int64_t chunk = (nseg + kWriteThreads - 1) / kWriteThreads;
@@ -282,8 +377,9 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     block_exclusive_sum<kWriteThreads, 1>(chunk_off, total_arr, sh_sum);
     const int64_t total = total_arr[0];
 
-    for (int64_t tile_start = static_cast<int64_t>(blockIdx.x) * tile; tile_start < total;
-         tile_start += static_cast<int64_t>(gridDim.x) * tile) {
+    // with a workspace the grid covers every tile once (the host launches it so): one iteration
+    for (int64_t tile_start = (ws.data != nullptr ? s_ws[0] : static_cast<int64_t>(blockIdx.x)) * tile;
+         tile_start < total; tile_start += static_cast<int64_t>(gridDim.x) * tile) {
       const int64_t tile_end = tile_start + tile < total ? tile_start + tile : total;
       // Mark the first in-tile position of every segment overlapping the tile.
       for (int64_t p = threadIdx.x; p < tile; p += kWriteThreads) s_mark[p] = -1;
@@ -339,6 +435,9 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
       }
       // Block scan of the per-thread totals; the exclusive prefix of this thread is the previous thread's inclusive.
       const ScanElem inc = block_segmented_scan(local, sh);
+      // the inclusive value of the thread holding the tile's last position is the tile's aggregate (positions past
+      // the tile are heads; a partial tile is the last one: nobody reads its aggregate)
+      if (ws.data != nullptr && threadIdx.x == (tile - 1) / kItems) ws_publish(ws, tile_start / tile, s_ws[1], inc);
       ScanElem excl_thread = shfl_up_elem(inc, 1);
       __syncthreads();
       if (lane == kWarp - 1) sh.warp_total[warp] = inc;
@@ -350,7 +449,17 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
       WriteCarry carry_in = write_carry_identity();
       const int64_t* first_row = a.plan + s_mark[0] * kNumPlanCols;  // position 0 is always marked
       const int64_t first_j = s_first_j[0];
-      if (first_j > 0) carry_in = block_reduce_prefix(a, first_row, first_j, sh);
+      if (first_j > 0 && ws.data != nullptr) {  // block-uniform
+        if (warp == 0) {
+          const ScanElem before = ws_look_back(ws, tile_start / tile, s_ws[1]);
+          if (lane == 0) sh.carry_total[0] = before.c;
+        }
+        __syncthreads();
+        carry_in = sh.carry_total[0];
+        __syncthreads();
+      } else if (first_j > 0) {
+        carry_in = block_reduce_prefix(a, first_row, first_j, sh);
+      }
 
     // Exclusive carry of each item: earlier items of the thread, earlier threads, and carry_in when the item's run
     // reaches back to the tile start (then it is the tile's first segment, which began in an earlier tile).
@@ -427,6 +536,14 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     for (int64_t h = 0; h < a.halves; ++h) {
       write_tally_flush(a, h, WriteTally{counts[3 * h], counts[3 * h + 1], counts[3 * h + 2]});
     }
+    // the launch's last block restores the workspace for the next launch (every block has read what it needed)
+    if (ws.data != nullptr &&
+        atomicAdd(reinterpret_cast<unsigned long long*>(ws.data + kWsDone), 1ULL) == gridDim.x - 1ULL) {
+      volatile int64_t* header = ws.data;
+      header[kWsTicket] = 0;
+      header[kWsDone] = 0;
+      store_release(ws.data + kWsGen, s_ws[1] + 1);
+    }
   }
 }
 
@@ -436,41 +553,57 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
            TensorView plan, TensorView status, TensorView table, TensorView input_ids, TensorView positions,
            TensorView out_cache_loc, TensorView ring_rows, TensorView ring_count, TensorView counters, TensorView step,
            int64_t checks, TensorView pool_tokens, TensorView pool_lens, int64_t has_pool, int64_t token_offset,
-           TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride, int64_t table_page) {
+           TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride, int64_t table_page, TensorView workspace) {
   check_cuda(records, "records");
   const WriteArgs a = make_write_args(records, swa_map, is_swa, reserved_slots, tag0, tag1, plan, status, table,
                                       input_ids, positions, out_cache_loc, ring_rows, ring_count, counters, step,
                                       checks, pool_tokens, pool_lens, has_pool, token_offset, fp_table, fp_mode,
                                       fp_layer_stride, table_page);
+  check_i64_tensor(workspace, records, 1, "workspace", "records");
+  const int64_t ws_tiles = workspace.size(0) > kWsHeader ? (workspace.size(0) - kWsHeader) / kWsTileCols : 0;
   const DLDevice dev = records.device();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const cudaStream_t stream = stream_of(dev);
+  // The look-back when the workspace holds every tile of a launch of several blocks, one tile each.
+  const auto ws_for = [&](int64_t grid, int64_t tile) {
+    const bool use = grid > 1 && grid <= ws_tiles && grid * tile >= a.num_tokens;
+    return ScanWorkspace{use ? static_cast<int64_t*>(workspace.data_ptr()) : nullptr, use ? ws_tiles : 0};
+  };
+  const auto blocks = [&](int64_t tile) { return a.num_tokens > 0 ? ceil_div(a.num_tokens, tile) : int64_t{1}; };
   // At least one block: it reports range errors and counts the run even with no tokens.
   const bool partial = a.fp_mode == static_cast<int32_t>(FingerprintMode::PARTIAL);
   if ((a.fp_table == nullptr || partial) && a.num_tokens <= kWriteThreads) {  // decode-sized: one item per thread
     if (a.fp_table == nullptr) {
-      write_kernel<1, false><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads);
+      write_kernel<1, false><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads, ws_for(1, kWriteThreads));
     } else {
-      write_kernel<1, true><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads);
+      write_kernel<1, true><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads, ws_for(1, kWriteThreads));
     }
-  } else if (a.fp_table == nullptr) {
+  } else if (a.fp_table == nullptr && ws_for(blocks(kWriteThreads), kWriteThreads).data != nullptr) {
+    // the look-back makes small tiles cheap: one token per thread, every tile in flight at once
+    const int64_t grid = blocks(kWriteThreads);
+    write_kernel<1, false><<<static_cast<unsigned>(grid), kWriteThreads, 0, stream>>>(a, kWriteThreads,
+                                                                                      ws_for(grid, kWriteThreads));
+  } else if (a.fp_table == nullptr) {  // no workspace: large tiles, each reducing its own carry
     const int64_t tile = kWriteThreads * kItemsNoFp;
-    const int64_t grid = a.num_tokens > 0 ? ceil_div(a.num_tokens, tile) : 1;
-    write_kernel<kItemsNoFp, false><<<static_cast<unsigned>(grid), kWriteThreads, 0, stream>>>(a, tile);
+    write_kernel<kItemsNoFp, false><<<static_cast<unsigned>(blocks(tile)), kWriteThreads, 0, stream>>>(
+        a, tile, ws_for(1, tile));
   } else {
-    // Small tiles so that the fingerprint reads spread over every SM: about two tiles per SM, 1..256 tokens (a
-    // decode seal of 256 tokens: one token's rows per block, all in flight at once, instead of 8 blocks whose warps
-    // walk 4 tokens x every layer one after another).
-    const int64_t want = ceil_div(a.num_tokens, 2 * static_cast<int64_t>(sm_count(dev.device_id)));
-    int64_t tile = 1;
-    while (tile < want && tile < kWriteThreads) tile *= 2;
-    const int64_t grid = a.num_tokens > 0 ? ceil_div(a.num_tokens, tile) : 1;
-    write_kernel<1, true><<<static_cast<unsigned>(grid), kWriteThreads, 0, stream>>>(a, tile);
+    const int64_t tile = fp_tile(a.num_tokens, dev.device_id), grid = blocks(tile);
+    write_kernel<1, true><<<static_cast<unsigned>(grid), kWriteThreads, 0, stream>>>(a, tile, ws_for(grid, tile));
   }
   check_launch();
+}
+
+int64_t write_workspace_size(int64_t max_tokens, int64_t device_id) {
+  TVM_FFI_CHECK(max_tokens >= 0, ValueError) << "max_tokens must be >= 0, got " << max_tokens;
+  // fingerprint tiles hold >= max_tokens / (2 SMs) tokens, others kWriteThreads
+  const int64_t tiles = std::max(2 * static_cast<int64_t>(sm_count(static_cast<int>(device_id))),
+                                 ceil_div(max_tokens, static_cast<int64_t>(kWriteThreads)));
+  return kWsHeader + kWsTileCols * tiles;
 }
 
 }  // namespace cuda
 }  // namespace kvcanary
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(write, kvcanary::cuda::write);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(write_workspace_size, kvcanary::cuda::write_workspace_size);

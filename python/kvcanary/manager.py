@@ -155,8 +155,7 @@ class CanaryManager:
             # eager: the reuse check only when a request is new; captured graphs always hold it (a replay may carry
             # a new request, e.g. disaggregated decode)
             self._reuse = capture or (self.upload.any_new and self.program.has_reuse)
-            mask = capture or self.upload.mask_needed
-            self._ops = (stages.pre[self._reuse][mask], stages.post_graph if capture else stages.post[self._reuse])
+            self._ops = (stages.pre[self._reuse], stages.post_graph if capture else stages.post[self._reuse])
         self._batch = batch
         self._kind = kind
         self._phase = _Phase.BEGUN

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-from kvcanary_schema import NUM_LAUNCH_TAGS, Half, LaunchTag, PlanCol, Stage, TokenTruth, WriteCheck
+from kvcanary_schema import NUM_LAUNCH_TAGS, Half, LaunchTag, Stage, TokenTruth, WriteCheck
 
 from kvcanary import _native
 from kvcanary.adapter import PoolDescription
@@ -27,11 +27,11 @@ Shape = tuple[int, int]  # (batch size, new tokens)
 
 @dataclass(frozen=True)
 class Stages:
-    """The ops of one batch shape: ``pre[reuse][mask]`` and ``post[reuse]`` (reuse: the reuse check runs; mask:
-    EXPECT_* flags are masked per request); ``post_graph``: the post stage for CUDA graph capture (the reuse check
-    always in), with the seal on a graph branch beside the TAIL write and the reuse check."""
+    """The ops of one batch shape: ``pre[reuse]`` and ``post[reuse]`` (reuse: the reuse check runs);
+    ``post_graph``: the post stage for CUDA graph capture (the reuse check always in), with the seal on a graph branch
+    beside the TAIL write and the reuse check."""
 
-    pre: tuple[tuple[tuple[Op, ...], tuple[Op, ...]], tuple[tuple[Op, ...], tuple[Op, ...]]]
+    pre: tuple[tuple[Op, ...], tuple[Op, ...]]
     post: tuple[tuple[Op, ...], tuple[Op, ...]]
     post_graph: tuple[Op, ...]
 
@@ -86,15 +86,6 @@ def _fused(ops: Sequence[Op], backend: str) -> tuple[Op, ...]:
     return tuple(out)
 
 
-def _expect_mask(st: CanaryState, plan: torch.Tensor, capacity: int) -> Op:
-    """Drop the EXPECT_* flags of segments whose request's truth is unknown (per-request flag mask)."""
-    def run(_: torch.Tensor) -> None:
-        torch.clamp(plan[:, PlanCol.BATCH_INDEX], 0, capacity - 1, out=st.seg_index)
-        torch.index_select(st.flag_mask, 0, st.seg_index, out=st.seg_mask)
-        plan[:, PlanCol.FLAGS].bitwise_and_(st.seg_mask)
-    return run
-
-
 class DeviceProgram:
     """Binds (validates once) and runs the device parts of the bracket; shapes cached in a bounded LRU, captured
     shapes pinned."""
@@ -140,10 +131,10 @@ class DeviceProgram:
         def tick(counters: torch.Tensor) -> Op:  # pre: first (the step the kernels stamp their rows with)
             return bind_bookkeep(counters, none, none, self.backend).frozen()
 
-        def pre(reuse: bool, mask: bool) -> tuple[Op, ...]:
+        def pre(reuse: bool) -> tuple[Op, ...]:
             ops: list[Op] = [tick(st.pre_tick)]
             for g in per_group:
-                ops += (g["plan_reuse"] if reuse else g["plan"]) + (g["mask"] if mask else []) + g["head"]
+                ops += (g["plan_reuse"] if reuse else g["plan"]) + g["head"]
             return _fused(ops, self.backend)
 
         def post(reuse: bool, side: torch.cuda.Stream | None = None) -> tuple[Op, ...]:
@@ -157,8 +148,7 @@ class DeviceProgram:
             # delayed some of its blocks; the reuse check on the seal's branch lengthened it)
             return (*role("tail_verify"), *_forked(role("seal"), role("tail_write", *reuse_verify, then=last), side))
 
-        return Stages(((pre(False, False), pre(False, True)), (pre(True, False), pre(True, True))),
-                      (post(False), post(True)), post(True, self._side))
+        return Stages((pre(False), pre(True)), (post(False), post(True)), post(True, self._side))
 
     def _group_ops(self, g: GroupState, gi: int, shape: Shape, table: torch.Tensor) -> dict[str, list[Op]]:
         """The ops of one group, by role (frozen native calls)."""
@@ -169,9 +159,11 @@ class DeviceProgram:
 
         def plan(p: torch.Tensor, s: torch.Tensor, pre: torch.Tensor, ext: torch.Tensor, window: int,
                  truth: bool = False, reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Op:
+            # token truth: the expected chains, and per request the flags of the unknown ones dropped (flag mask)
             return bind_plan_forward(p, s, rpi, pre, ext, table, nt, window=window, padding_row=pad,
                                      expect_prefix=st.expect_prefix[:bs] if truth else None,
-                                     expect_new=st.expect_new[:bs] if truth else None, table_page=page,
+                                     expect_new=st.expect_new[:bs] if truth else None,
+                                     flag_mask=st.flag_mask[:bs] if truth else None, table_page=page,
                                      reuse=reuse, backend=b).frozen()
 
         def verifies(stage: Stage) -> list[Op]:
@@ -186,12 +178,11 @@ class DeviceProgram:
             return bind_write(g.views(stage), stage, g.plan, g.status, table, st.input_ids[:nt], st.positions[:nt],
                               st.out_cache_loc[:nt], st.sink, checks=checks, token_pool=st.token_pool,
                               fingerprint=g.fingerprint if stage == Stage.TAIL else g.seal, table_page=page,
-                              backend=b).frozen()
+                              workspace=g.write_workspaces[stage == Stage.TAIL], backend=b).frozen()
 
         window = g.window if g.stripe_plan is None else cfg.window_links
         ops: dict[str, list[Op]] = {
             "plan": [plan(g.plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain)],
-            "mask": [_expect_mask(st, g.plan, cfg.req_capacity)] if chain else [],
             "reuse_verify": [], "seal": [write(Stage.HEAD)] if g.seal is not None else [],
             "tail_verify": verifies(Stage.TAIL), "tail_write": [write(Stage.TAIL)]}
         ops["plan_reuse"] = list(ops["plan"])

@@ -22,6 +22,7 @@ from kvcanary.adapter import GroupSpec, PoolDescription, TransferBuffer
 from kvcanary.config import CanaryConfig, CoveragePolicy, HalfCoverage, LayerCoverage
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, TokenPool
+from kvcanary.ops.write import write_workspace
 
 UPLOAD_ROWS = 5  # rows of CanaryState.truth_rows
 
@@ -45,6 +46,8 @@ class GroupState:
     seal: Fingerprint | None = None  # every byte of every source, stored in the HEAD records (config.sealing)
     reuse_plan: torch.Tensor | None = None  # reuse check: each new request's reused prefix, against the seal
     reuse_status: torch.Tensor | None = None
+    # per write op (HEAD write or seal, TAIL write): its own look-back workspace (ops.write.write_workspace)
+    write_workspaces: tuple[torch.Tensor, ...] = ()
 
     @property
     def window(self) -> int:
@@ -102,8 +105,6 @@ class CanaryState:
         self.zeros = _i64(rc, device=d)
         self.stripe_a = _i64(rc, device=d)
         self.stripe_b = _i64(rc, device=d)
-        self.seg_index = _i64(rc, device=d)
-        self.seg_mask = _i64(rc, device=d)
         self.sweep_plan = _i64(config.sweep_capacity, NUM_PLAN_COLS, device=d)
         self.sweep_status = _i64(NUM_PLAN_STATUS_COLS, device=d)
         self.token_pool: TokenPool | None = None
@@ -150,7 +151,8 @@ class CanaryState:
 
         return GroupState(
             spec, head, tail, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), _i64(NUM_PLAN_STATUS_COLS, device=d),
-            *plan_buffers(stripe), fp, seal, *plan_buffers(reuse))
+            *plan_buffers(stripe), fp, seal, *plan_buffers(reuse),
+            write_workspaces=tuple(write_workspace(cfg.token_capacity, d) for _ in (Stage.HEAD, Stage.TAIL)))
 
     def transfer_buffers(self) -> list[TransferBuffer]:
         """The canary records to send with the KV in a prefill->decode transfer, indexable by slot."""
@@ -174,7 +176,7 @@ class CanaryState:
     def _tensors(self) -> list[torch.Tensor]:
         ts = [self.arena, self.truth_rows, self.sweep_plan, self.sweep_status]
         for g in self.groups:
-            ts += [g.head.records, g.tail.records, g.plan, g.status]
+            ts += [g.head.records, g.tail.records, g.plan, g.status, *(w for w in g.write_workspaces if w.numel())]
         if self.token_pool is not None:
             ts += [self.token_pool.tokens, self.token_pool.lens]
         return ts

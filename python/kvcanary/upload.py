@@ -67,7 +67,6 @@ class Upload:
         # host time than the copy; synchronizing one never recorded returns at once)
         self._copied = [torch.cuda.Event() for _ in range(2)] if state.device.type == "cuda" else []  # type: ignore[no-untyped-call]
         self._views: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = {}
-        self.mask_needed = True
         self.any_new = True
 
     def copy_batch(self, batch: BatchView) -> None:
@@ -101,9 +100,9 @@ class Upload:
         self._index ^= 1
         if self._copied:
             self._copied[k].synchronize()
-        unknown = None if capture else self._steady(batch, rows, keys, live, pre, ext, self._host[k])
-        if unknown is not None:  # no request is new (each owns its row), no stripes: only the seen steps are left
-            self.any_new, self.mask_needed = False, unknown > 0
+        if not capture and self._steady(batch, rows, keys, live, pre, ext, self._host[k]):
+            # no request is new (each owns its row), no stripes: only the seen steps are left
+            self.any_new = False
             self._note_seen(keys, live, pre, step, capture)
         else:
             out = self._host[k][:, :bs]
@@ -111,20 +110,21 @@ class Upload:
             self._seen(keys, live, pre, step, capture, out[4])
             if self.stripes is not None:
                 self._stripe_ends(keys, live, pre, capture, out[3])
-            self.mask_needed = self._truth(batch, rows, keys, live, pre, ext, out)
+            self._truth(batch, rows, keys, live, pre, ext, out)
         _, dev, host = self._slices(bs, batch.num_tokens)
         dev.copy_(host[k], non_blocking=True)
         if self._copied:
             self._copied[k].record()
 
     def _steady(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray,
-                ext: np.ndarray, staging: np.ndarray) -> int | None:
-        """A steady decode's staging rows in one native call (RowChains.decode_into): the unknown new tokens' count,
-        or None where it does not apply (nothing changed)."""
+                ext: np.ndarray, staging: np.ndarray) -> bool:
+        """A steady decode's staging rows in one native call (RowChains.decode_into); False where it does not apply
+        (nothing changed)."""
         if self.stripes is not None or batch.true_new_tokens is None or batch.expected_chains is not None or \
                 self.config.token_truth != TokenTruth.CHAIN or self._offset(batch) != self.chains.offset:
-            return None
-        return self.chains.decode_into(rows, keys, live, pre, ext, host_array(batch.true_new_tokens), staging)
+            return False
+        return self.chains.decode_into(rows, keys, live, pre, ext, host_array(batch.true_new_tokens),
+                                       staging) is not None
 
     def _seen(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, step: int, capture: bool,
               reuse_end: np.ndarray) -> None:
@@ -156,15 +156,14 @@ class Upload:
             out[i] = self.stripes.end(keys[i], int(pre[i]), cov)
 
     def _truth(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray,
-               ext: np.ndarray, out: np.ndarray) -> bool:
-        """EXPECT_PREFIX / EXPECT_NEW values and flag mask (CHAIN), or the token pool rows (POOL); whether the mask
-        drops a flag of any row."""
+               ext: np.ndarray, out: np.ndarray) -> None:
+        """EXPECT_PREFIX / EXPECT_NEW values and flag mask (CHAIN), or the token pool rows (POOL)."""
         cfg = self.config
         if cfg.token_truth != TokenTruth.CHAIN:
             out[:2], out[2] = 0, NO_PREFIX & NO_NEW
             if cfg.token_truth == TokenTruth.POOL and batch.true_tokens is not None:
                 self._pool_truth(batch, rows, keys, live, pre, ext)
-            return bool(out.shape[1] > 0)
+            return
         offset = self._offset(batch)
         if offset != self.chains.offset:
             self.chains = self._row_chains(offset)
@@ -180,9 +179,8 @@ class Upload:
         drop_new = live & ~t.new_known
         if np.count_nonzero(drop_pre) or np.count_nonzero(drop_new):
             out[2] = np.where(drop_pre, NO_PREFIX, KEEP_ALL) & np.where(drop_new, NO_NEW, KEEP_ALL)
-            return True
-        out[2] = KEEP_ALL  # everything known (a steady decode): no selects
-        return False
+        else:
+            out[2] = KEEP_ALL  # everything known (a steady decode): no selects
 
     def _offset(self, batch: BatchView) -> int:
         return self.pool.token_offset if batch.token_offset is None else batch.token_offset

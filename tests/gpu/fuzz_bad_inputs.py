@@ -11,8 +11,8 @@ from kvcanary.ops.plan import plan_forward, plan_roll
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.types import Sink, TokenPool
 from kvcanary.ops.verify import verify
-from kvcanary.ops.write import write
-from kvcanary_schema import NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, FingerprintMode
+from kvcanary.ops.write import write, write_workspace
+from kvcanary_schema import NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, FingerprintMode, PlanStatusCol, Stage
 
 from . import test_cuda_policy as TP
 from .helpers import ALL_CHECKS, consistent_entry_offsets, fp_to, group_to, make_batch, pool_to, run_bracket
@@ -86,6 +86,14 @@ def main() -> None:
         b.loc[::50] = -7
         b.pos[::77] = -1
         run_bracket(b, "cuda", ring=16)
+        # the look-back writes (several tiles per write) on the same batch, then on garbage plan rows
+        ws = (write_workspace(4000, dev), write_workspace(4000, dev))
+        run_bracket(b, "cuda", ring=16, workspaces=ws)
+        junk = torch.randint(-9, 5000, (3, NUM_PLAN_COLS), dtype=torch.int64, device=dev)
+        junk_status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=dev)
+        junk_status[PlanStatusCol.NUM_SEGMENTS] = 3
+        write(b.head, Stage.HEAD, junk, junk_status, b.table, b.ids, b.pos, b.loc, Sink.allocate(8, dev),
+              checks=ALL_CHECKS, workspace=ws[0], backend="cuda")
         # the default policy's kernels: seal of few tokens x many layers, reuse plan, share, one-slot sweep segments
         pol = TP.make_policy(950 + k, bs=5, prefix=[0, 3, 60, 9, 200], ext=[4, 1, 1, 1, 1], halves=2, layers=9,
                              row_bytes=208, share=2, swa=k % 2 == 1)

@@ -179,9 +179,12 @@ def clone_group(g: GroupView) -> GroupView:
 
 
 def run_bracket(b: Batch, backend: str, *, plan_cap: int | None = None, ring: int = 4096,
-                checks: int = ALL_CHECKS) -> dict[str, Any]:
-    """plan -> HEAD verify -> HEAD write -> TAIL verify (fp) -> TAIL write (fp), on copies; returns every output."""
+                checks: int = ALL_CHECKS, workspaces: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> dict[str, Any]:
+    """plan -> HEAD verify -> HEAD write -> TAIL verify (fp) -> TAIL write (fp), on copies; returns every output.
+    ``workspaces``: the HEAD and TAIL writes' look-back workspaces (ops.write.write_workspace)."""
     dev = b.head.records.device
+    ws = workspaces or (None, None)
     head, tail = clone_group(b.head), clone_group(b.tail)
     cap = plan_cap or b.rpi.shape[0]
     plan = torch.zeros(cap, NUM_PLAN_COLS, dtype=torch.int64, device=dev)
@@ -192,10 +195,10 @@ def run_bracket(b: Batch, backend: str, *, plan_cap: int | None = None, ring: in
                  expect_prefix=b.expect_prefix, expect_new=b.expect_new, backend=backend)
     verify(head, Stage.HEAD, plan, status, b.table, sink, token_pool=b.pool, backend=backend)
     write(head, Stage.HEAD, plan, status, b.table, b.ids, b.pos, b.loc, sink, checks=checks, token_pool=b.pool,
-          backend=backend)
+          workspace=ws[0], backend=backend)
     verify(tail, Stage.TAIL, plan, status, b.table, sink, token_pool=b.pool, fingerprint=b.fp, backend=backend)
     write(tail, Stage.TAIL, plan, status, b.table, b.ids, b.pos, b.loc, sink, checks=checks, token_pool=b.pool,
-          fingerprint=b.fp, backend=backend)
+          fingerprint=b.fp, workspace=ws[1], backend=backend)
     return {"plan": plan, "status": status, "head": head.records, "tail": tail.records, "sink": sink}
 
 

@@ -13,7 +13,7 @@ from kvcanary.ops.plan import plan_forward, plan_roll, plan_sweep
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
 from kvcanary.ops.verify import verify
-from kvcanary.ops.write import write
+from kvcanary.ops.write import write, write_workspace
 from kvcanary_schema import (
     NUM_PLAN_COLS,
     NUM_PLAN_STATUS_COLS,
@@ -109,7 +109,8 @@ def test_plan_ops_match(seed: int) -> None:
     num_tokens = int(ext.clamp(min=0).sum()) - rng.choice([0, 0, 3])
     kw = {"window": rng.choice([0, 0, 5, 64]), "padding_row": rng.choice([-1, 0]),
           "expect_prefix": torch.randint(-2**62, 2**62, (bs,)) if rng.random() < 0.5 else None,
-          "expect_new": torch.randint(-2**62, 2**62, (bs,)) if rng.random() < 0.5 else None}
+          "expect_new": torch.randint(-2**62, 2**62, (bs,)) if rng.random() < 0.5 else None,
+          "flag_mask": torch.randint(-2**62, 2**62, (bs,)) if rng.random() < 0.5 else None}
     outs = {}
     for backend, dev in (("cpu", "cpu"), ("cuda", CUDA), ("torch", CUDA)):
         plan = torch.full((bs + 2, NUM_PLAN_COLS), -9, dtype=torch.int64, device=dev)
@@ -228,12 +229,41 @@ LARGE = [
 ]
 
 
+def _workspaces(max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return write_workspace(max_tokens, CUDA), write_workspace(max_tokens, CUDA)
+
+
+@pytest.mark.parametrize("look_back", [False, True])
 @pytest.mark.parametrize("k", range(len(LARGE)))
-def test_large_bracket_matches_reference(k: int) -> None:
+def test_large_bracket_matches_reference(k: int, look_back: bool) -> None:
     b = make_batch(100 + k, **LARGE[k])  # type: ignore[arg-type]
     ref = run_bracket(b, "torch")
-    got = run_bracket(b, "cuda")
+    got = run_bracket(b, "cuda", workspaces=_workspaces(int(b.ids.shape[0])) if look_back else None)
     assert_brackets_equal(got, ref, f"case {k}")
+
+
+# Long writes whose tiles must take their carry from earlier tiles: one long segment, segments crossing tiles with
+# heads inside them, skipped tokens, seals of many small tiles; each run again on the same workspaces (generations).
+LOOK_BACK = [
+    {"bs": 1, "prefix": 0, "ext": 40000},
+    {"bs": 1, "prefix": 77, "ext": 16385, "expect": True},
+    {"bs": 9, "prefix": [i * 31 for i in range(9)], "ext": [1, 700, 3, 2000, 255, 257, 1, 5000, 129]},
+    {"bs": 3, "prefix": [0, 10, 20], "ext": [3000, 4000, 100], "pad_tokens": 300, "contiguous": True, "corrupt": 0},
+    {"bs": 2, "prefix": 5, "ext": 6000, "fp_mode": FingerprintMode.ALL, "fp_bytes": 144},
+    {"bs": 4, "prefix": 900, "ext": 1500, "swa": True, "window": 100, "halves": 1},
+]
+
+
+@pytest.mark.parametrize("k", range(len(LOOK_BACK)))
+def test_look_back_writes_match_reference_again_and_again(k: int) -> None:
+    b = make_batch(700 + k, **LOOK_BACK[k])  # type: ignore[arg-type]
+    ref = run_bracket(b, "torch")
+    ws = _workspaces(int(b.ids.shape[0]) + 5)
+    for rep in range(6):
+        assert_brackets_equal(run_bracket(b, "cuda", workspaces=ws), ref, f"case {k} run {rep}")
+        for w in ws:  # every launch leaves the ticket and done counters as it found them
+            assert w[:2].tolist() == [0, 0], w[:4].tolist()
+    assert all(int(w[2]) >= 6 for w in ws)  # ... and moved the generation (each write launched several blocks)
 
 
 @pytest.mark.parametrize("fp_mode", [None, FingerprintMode.PARTIAL])
@@ -290,14 +320,17 @@ def test_graph_capture_and_replay_with_changed_batches() -> None:
     status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=CUDA)
     sink = Sink.allocate(1024, CUDA)
 
+    ws = _workspaces(T)  # replays reuse them: each launch restores them for the next (a new generation)
+
     def bracket(backend: str, h: GroupView, t: GroupView, s: Sink, p: torch.Tensor, st: torch.Tensor,
                 tbl: torch.Tensor, r: torch.Tensor, pr: torch.Tensor, ex: torch.Tensor, i: torch.Tensor,
                 q: torch.Tensor, lc: torch.Tensor) -> None:
         plan_forward(p, st, r, pr, ex, tbl, T, backend=backend)
         verify(h, Stage.HEAD, p, st, tbl, s, backend=backend)
-        write(h, Stage.HEAD, p, st, tbl, i, q, lc, s, checks=ALL_CHECKS, backend=backend)
+        write(h, Stage.HEAD, p, st, tbl, i, q, lc, s, checks=ALL_CHECKS, workspace=ws[0], backend=backend)
         verify(t, Stage.TAIL, p, st, tbl, s, fingerprint=fp, backend=backend)
-        write(t, Stage.TAIL, p, st, tbl, i, q, lc, s, checks=ALL_CHECKS, fingerprint=fp, backend=backend)
+        write(t, Stage.TAIL, p, st, tbl, i, q, lc, s, checks=ALL_CHECKS, fingerprint=fp, workspace=ws[1],
+              backend=backend)
 
     args = (head, tail, sink, plan, status, table, rpi, pre, ext, ids, pos, loc)
     side = torch.cuda.Stream()
@@ -425,7 +458,8 @@ def test_native_entries_refuse_cpu_tensors() -> None:
     e = torch.zeros(0, dtype=torch.int64)
     one = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError):
-        mod.plan_forward(z, s, one, one, one, torch.zeros(1, 1, dtype=torch.int64), e, 0, e, 0, 1, 0, -1, 1, e, e, e, 0)
+        mod.plan_forward(z, s, one, one, one, torch.zeros(1, 1, dtype=torch.int64), e, 0, e, 0, e, 0, 1, 0, -1, 1, e, e,
+                         e, 0)
     with pytest.raises(ValueError):
         mod.fingerprint(torch.zeros(1, 1, 5, dtype=torch.int64), 0, one, one, 2, 1, 1, one)
 

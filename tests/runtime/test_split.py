@@ -11,7 +11,7 @@ from kvcanary.adapter import BatchView
 from kvcanary.health import Coverage
 from kvcanary.manager import CanaryManager
 from kvcanary.stripes import Stripes
-from kvcanary_schema import CounterCol, Group, Half, LaunchTag, RecordField, Stage
+from kvcanary_schema import CounterCol, Group, Half, LaunchTag, PlanCol, PlanFlag, PlanStatusCol, RecordField, Stage
 
 from .fake_engine import FakeEngine
 from .helpers import setup
@@ -97,14 +97,31 @@ def test_bulk_truth_form_reports_like_the_list_form(flip: RecordField) -> None:
     assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][2], out[1][2])
 
 
-def test_upload_masks_unknown_truth() -> None:
+def _plan_expects(m: CanaryManager) -> list[int]:
+    """The EXPECT_* flags of each planned segment of the FULL group's forward plan (after pre_forward)."""
+    g = m.state.groups[0]
+    n = int(g.status[PlanStatusCol.NUM_SEGMENTS])
+    return (g.plan[:n, PlanCol.FLAGS] & int(PlanFlag.EXPECT_PREFIX | PlanFlag.EXPECT_NEW)).tolist()
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_plan_drops_the_flags_of_unknown_truth(fast: bool) -> None:
+    """Known truth: every segment expects its chains; no true tokens: the plan itself drops both flags (the staged
+    flag mask), and the forward stays clean."""
     eng, m = setup(n_reqs=2)
-    _forward(eng, m)
-    assert not m.upload.mask_needed
-    b = dataclasses.replace(eng.batch(), true_tokens=None)
+    _forward(eng, m, fast)
+    b = _bulk(eng.batch()) if fast else eng.batch()
     m.begin_forward(b)
-    assert m.upload.mask_needed
     m.pre_forward()
+    assert _plan_expects(m) == [int(PlanFlag.EXPECT_PREFIX | PlanFlag.EXPECT_NEW)] * 2
     eng.forward(b)
     m.post_forward()
     m.end_forward()
+    b = dataclasses.replace(eng.batch(), true_tokens=None, true_new_tokens=None)
+    m.begin_forward(b)
+    m.pre_forward()
+    assert _plan_expects(m) == [0, 0]
+    eng.forward(b)
+    m.post_forward()
+    m.end_forward()
+    assert m.flush() is not None and sum(r.total for r in m.reports) == 0

@@ -50,7 +50,7 @@ def check_table_page(table: torch.Tensor, table_page: int) -> int:
 def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                  extend_lens: torch.Tensor, req_to_token: torch.Tensor, num_tokens: int, *, window: int = 0,
                  padding_row: int = -1, expect_prefix: torch.Tensor | None = None,
-                 expect_new: torch.Tensor | None = None, table_page: int = 1,
+                 expect_new: torch.Tensor | None = None, flag_mask: torch.Tensor | None = None, table_page: int = 1,
                  reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, backend: str = "torch") -> None:
     """Plan one forward's segments into ``plan`` and overwrite ``status`` (docs/ops-contract.md 2).
 
@@ -59,20 +59,21 @@ def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: tor
     num_tokens, padding_row=padding_row, table_page=table_page)`` (window 0, no new tokens, no expected values).
 
     ``req_pool_indices``, ``prefix_lens``, ``extend_lens`` (and the optional ``expect_prefix`` / ``expect_new``
-    chain values) are int64 ``[bs]``; ``req_to_token`` is the int32/int64 slot table ``[R, L]``, or with
-    ``table_page`` P > 1 a block table ``[R, B]`` of block ids (slot = block * P + position % P, L = B * P);
-    ``plan`` needs ``cap >= bs`` rows. Bad values inside the tensors are counted in ``status`` (never raised).
+    chain values and ``flag_mask``: request i's rows get ``FLAGS &= flag_mask[i]``; the reuse plan no mask) are
+    int64 ``[bs]``; ``req_to_token`` is the int32/int64 slot table ``[R, L]``, or with ``table_page`` P > 1 a block
+    table ``[R, B]`` of block ids (slot = block * P + position % P, L = B * P); ``plan`` needs ``cap >= bs`` rows.
+    Bad values inside the tensors are counted in ``status`` (never raised).
     """
     bind_plan_forward(plan, status, req_pool_indices, prefix_lens, extend_lens, req_to_token, num_tokens,
                       window=window, padding_row=padding_row, expect_prefix=expect_prefix, expect_new=expect_new,
-                      table_page=table_page, reuse=reuse, backend=backend)(req_to_token)
+                      flag_mask=flag_mask, table_page=table_page, reuse=reuse, backend=backend)(req_to_token)
 
 
 def bind_plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: torch.Tensor,
                       prefix_lens: torch.Tensor, extend_lens: torch.Tensor, req_to_token: torch.Tensor, num_tokens: int,
                       *, window: int = 0, padding_row: int = -1, expect_prefix: torch.Tensor | None = None,
-                      expect_new: torch.Tensor | None = None, table_page: int = 1,
-                      reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                      expect_new: torch.Tensor | None = None, flag_mask: torch.Tensor | None = None,
+                      table_page: int = 1, reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                       backend: str = "torch") -> BoundOp:
     """:func:`plan_forward`'s arguments checked once: a call taking the slot table (see :class:`BoundOp`)."""
     device = req_pool_indices.device if isinstance(req_pool_indices, torch.Tensor) else torch.device("cpu")
@@ -87,6 +88,7 @@ def bind_plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices
     ep = None if expect_prefix is None else check_tensor(expect_prefix, "expect_prefix", ndim=1, device=device,
                                                          shape=(bs,))
     en = None if expect_new is None else check_tensor(expect_new, "expect_new", ndim=1, device=device, shape=(bs,))
+    fm = None if flag_mask is None else check_tensor(flag_mask, "flag_mask", ndim=1, device=device, shape=(bs,))
     num_tokens = _check_scalar(num_tokens, "num_tokens", 0)
     window = _check_scalar(window, "window", 0)
     padding_row = _check_scalar(padding_row, "padding_row", -1)
@@ -95,12 +97,12 @@ def bind_plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices
     b = check_backend(backend, device)
     if b == "torch":
         return BoundOp(_plan_forward_torch_with_reuse, (p, s, rpi, pre, ext),
-                       (num_tokens, window, padding_row, ep, en, table_page, rp, rs, rl))
+                       (num_tokens, window, padding_row, ep, en, fm, table_page, rp, rs, rl))
     e = empty_i64(device)
     return BoundOp(_native.module(b).plan_forward, (p, s, rpi, pre, ext),
                    (e if ep is None else ep, int(ep is not None), e if en is None else en, int(en is not None),
-                    num_tokens, window, padding_row, table_page, rp, rs, e if rl is None else rl, int(rl is not None)),
-                   native=True)
+                    e if fm is None else fm, int(fm is not None), num_tokens, window, padding_row, table_page, rp, rs,
+                    e if rl is None else rl, int(rl is not None)), native=True)
 
 
 def _check_reuse(reuse: object, plan: torch.Tensor, status: torch.Tensor, device: torch.device,
@@ -220,19 +222,22 @@ def _flag(mask: torch.Tensor, bit: PlanFlag) -> torch.Tensor:
 def _plan_forward_torch_with_reuse(plan: torch.Tensor, status: torch.Tensor, rpi: torch.Tensor, pre: torch.Tensor,
                                    ext: torch.Tensor, table: torch.Tensor, num_tokens: int, window: int,
                                    padding_row: int, expect_prefix: torch.Tensor | None,
-                                   expect_new: torch.Tensor | None, page: int, reuse_plan: torch.Tensor,
-                                   reuse_status: torch.Tensor, reuse_lens: torch.Tensor | None) -> None:
-    """The forward plan, then (``reuse_lens`` given) the reuse plan: window 0, no new tokens, no expectations."""
+                                   expect_new: torch.Tensor | None, flag_mask: torch.Tensor | None, page: int,
+                                   reuse_plan: torch.Tensor, reuse_status: torch.Tensor,
+                                   reuse_lens: torch.Tensor | None) -> None:
+    """The forward plan, then (``reuse_lens`` given) the reuse plan: window 0, no new tokens, no expectations, no flag
+    mask."""
     _plan_forward_torch(plan, status, rpi, pre, ext, table, num_tokens, window, padding_row, expect_prefix, expect_new,
-                        page)
+                        flag_mask, page)
     if reuse_lens is not None:
         _plan_forward_torch(reuse_plan, reuse_status, rpi, reuse_lens, torch.zeros_like(reuse_lens), table, num_tokens,
-                            0, padding_row, None, None, page)
+                            0, padding_row, None, None, None, page)
 
 
 def _plan_forward_torch(plan: torch.Tensor, status: torch.Tensor, rpi: torch.Tensor, pre: torch.Tensor,
                         ext: torch.Tensor, table: torch.Tensor, num_tokens: int, window: int, padding_row: int,
-                        expect_prefix: torch.Tensor | None, expect_new: torch.Tensor | None, page: int) -> None:
+                        expect_prefix: torch.Tensor | None, expect_new: torch.Tensor | None,
+                        flag_mask: torch.Tensor | None, page: int) -> None:
     num_rows, stride = table.shape
     row_len = stride * page
     cap_tok = num_tokens + 1
@@ -276,6 +281,8 @@ def _plan_forward_torch(plan: torch.Tensor, status: torch.Tensor, rpi: torch.Ten
         rows[:, PlanCol.EXPECT_NEW] = torch.where(pad_seg, 0, expect_new)
         flags |= _flag(~pad_seg, PlanFlag.EXPECT_NEW)
     rows[:, PlanCol.FLAGS] = flags | _flag(pad_seg, PlanFlag.PADDING)
+    if flag_mask is not None:
+        rows[:, PlanCol.FLAGS] &= flag_mask
     errors = (~pad & ~valid).sum() + over.sum()
     _write_segments(plan, status, ok, rows, ext, errors, over.any().to(torch.int64))
 

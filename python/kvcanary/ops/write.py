@@ -37,23 +37,39 @@ _CHAIN_BASE_INV = pow(CHAIN_BASE, -1, 1 << 64)
 def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
           input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, sink: Sink, *,
           checks: int = 0, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
-          table_page: int = 1, backend: str = "torch") -> None:
+          table_page: int = 1, workspace: torch.Tensor | None = None, backend: str = "torch") -> None:
     """Write the records of every planned segment's new tokens (both halves of one HEAD/TAIL stage) into ``group``.
 
     ``input_ids``, ``positions`` and ``out_cache_loc`` are the batch's flat int64 ``[num_tokens]`` tensors
     (``out_cache_loc`` in table space, negative = skipped); ``checks`` holds WriteCheck bits (STRUCTURAL compares
     ``out_cache_loc`` with ``table``, a block table when ``table_page`` > 1 as in
     :func:`kvcanary.ops.plan.plan_forward`). A HEAD write takes a fingerprint only when it runs after the forward (the
-    seal). Bad values inside tensors become counted INPUT_ERROR rows in ``sink``.
+    seal). Bad values inside tensors become counted INPUT_ERROR rows in ``sink``. ``workspace`` (from
+    :func:`write_workspace`, this op's own) lets the CUDA kernel scan long writes in small tiles (a look-back over the
+    earlier tiles' aggregates); results are the same without it.
     """
     bind_write(group, stage, plan, status, table, input_ids, positions, out_cache_loc, sink, checks=checks,
-               token_pool=token_pool, fingerprint=fingerprint, table_page=table_page, backend=backend)(table)
+               token_pool=token_pool, fingerprint=fingerprint, table_page=table_page, workspace=workspace,
+               backend=backend)(table)
+
+
+def write_workspace(max_tokens: int, device: torch.device | str) -> torch.Tensor:
+    """A zeroed write workspace for writes of up to ``max_tokens`` tokens on ``device`` (docs/ops-contract.md 5): one
+    per write op (two ops never share one), allocated once; 0-element where the backend needs none (CPU)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise CanaryInputError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    size = int(_native.module("cuda").write_workspace_size(max_tokens, index))
+    return torch.zeros(size, dtype=torch.int64, device=device)
 
 
 def bind_write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
                input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, sink: Sink, *,
                checks: int = 0, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
-               table_page: int = 1, backend: str = "torch") -> BoundOp:
+               table_page: int = 1, workspace: torch.Tensor | None = None, backend: str = "torch") -> BoundOp:
     """:func:`write`'s arguments checked once: a call taking the slot table (see :class:`BoundOp`)."""
     if not isinstance(group, GroupView):
         raise CanaryInputError(f"group must be a GroupView, got {type(group).__name__}")
@@ -76,6 +92,7 @@ def bind_write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch
             raise CanaryInputError(f"token_pool must be a TokenPool, got {type(token_pool).__name__}")
         check_tensor(token_pool.tokens, "token pool", ndim=2, device=device)
     check_fingerprint(fingerprint, group, stage, seal=True)
+    ws = empty_i64(device) if workspace is None else check_tensor(workspace, "workspace", ndim=1, device=device)
     tags = group.tags(stage)
     b = check_backend(backend, device)
     if b == "torch":
@@ -89,7 +106,7 @@ def bind_write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch
         int(token_pool is not None), 0 if token_pool is None else token_pool.offset,
         e if fingerprint is None else fingerprint.sources.table,
         int(FingerprintMode.NONE) if fingerprint is None else int(fingerprint.mode),
-        1 if fingerprint is None else fingerprint.layer_stride, page), native=True)
+        1 if fingerprint is None else fingerprint.layer_stride, page, ws), native=True)
 
 
 # ---- torch reference -------------------------------------------------------------------------------------------
