@@ -245,6 +245,7 @@ def policy_scenarios() -> list[Scenario]:
             (" no seal", {"seal": False}), (" contig", {"layout": "contig"}), (" serial seal", {"branch": "serial"}),
             (" seal beside tail verify", {"branch": "beside tail"}), (" each half", {"halves_hashed": "each"}),
             (" seal and reuse check beside tail write", {"branch": "after tail verify"}),
+            (" no look-back", {"look_back": False}),
             (f" + sweep slice {DEFAULT_SWEEP_SLICE}", {"sweep_slice": DEFAULT_SWEEP_SLICE})]
         for label, kw in variants:
             layout = kw.get("layout", "perm")

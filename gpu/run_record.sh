@@ -30,7 +30,7 @@ mkdir -p "$OUT"
   timeout 220 python3 -m bench.bench_gpu --quick --samples 20 --out /tmp/bench_structural | tail -60
   echo "=== policy rows $(date -u +%T)"
   timeout 150 python3 -m bench.bench_gpu --samples 20 --out /tmp/bench_policy \
-    --only "policy base,fp default (4,fp default serial,fp default each half,fp default no seal" | grep -v "^|" | tail -30
+    --only "policy base,fp default (4,fp default serial,fp default each half,fp default no seal,fp default no look-back" | grep -v "^|" | tail -30
   for variant in structural policy; do
     for f in /tmp/bench_$variant/*.json /tmp/bench_$variant/*.md; do cp "$f" "$OUT/bench_$variant.${f##*.}"; done
   done

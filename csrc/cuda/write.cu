@@ -564,9 +564,12 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
   const DLDevice dev = records.device();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const cudaStream_t stream = stream_of(dev);
-  // The look-back when the workspace holds every tile of a launch of several blocks, one tile each.
+  // The look-back when the workspace holds every tile of a launch of several blocks, one tile each, and the write is
+  // longer than one large tile: below that a tile's own reduction of its segment's earlier tokens is at most one
+  // pass, cheaper than the ticket's round trip (a decode seal: one token per tile, nothing to look back over).
   const auto ws_for = [&](int64_t grid, int64_t tile) {
-    const bool use = grid > 1 && grid <= ws_tiles && grid * tile >= a.num_tokens;
+    const bool use = grid > 1 && a.num_tokens > kWriteThreads * kItemsNoFp && grid <= ws_tiles &&
+                     grid * tile >= a.num_tokens;
     return ScanWorkspace{use ? static_cast<int64_t*>(workspace.data_ptr()) : nullptr, use ? ws_tiles : 0};
   };
   const auto blocks = [&](int64_t tile) { return a.num_tokens > 0 ? ceil_div(a.num_tokens, tile) : int64_t{1}; };
