@@ -33,22 +33,21 @@ __device__ __forceinline__ ScanElem scan_op(const ScanElem& x, const ScanElem& y
   return y.head ? y : ScanElem{x.head, write_carry_compose(x.c, y.c)};
 }
 
-__device__ __forceinline__ ScanElem shfl_up_elem(const ScanElem& x, int d) {
+// x with every field read from another lane by `shfl` (a __shfl_*_sync intrinsic wrapped in a generic lambda).
+template <typename Shfl>
+__device__ __forceinline__ ScanElem shfl_elem(const ScanElem& x, Shfl shfl) {
   ScanElem r;
-  r.head = __shfl_up_sync(0xffffffffu, x.head ? 1 : 0, d) != 0;
-  r.c.map.mul = __shfl_up_sync(0xffffffffu, x.c.map.mul, d);
-  r.c.map.add = __shfl_up_sync(0xffffffffu, x.c.map.add, d);
-  r.c.last_j = __shfl_up_sync(0xffffffffu, x.c.last_j, d);
+  r.head = shfl(x.head ? 1 : 0) != 0;
+  r.c.map.mul = shfl(x.c.map.mul);
+  r.c.map.add = shfl(x.c.map.add);
+  r.c.last_j = shfl(x.c.last_j);
   return r;
 }
-
+__device__ __forceinline__ ScanElem shfl_up_elem(const ScanElem& x, int d) {
+  return shfl_elem(x, [d](auto v) { return __shfl_up_sync(0xffffffffu, v, d); });
+}
 __device__ __forceinline__ ScanElem shfl_down_elem(const ScanElem& x, int d) {
-  ScanElem r;
-  r.head = __shfl_down_sync(0xffffffffu, x.head ? 1 : 0, d) != 0;
-  r.c.map.mul = __shfl_down_sync(0xffffffffu, x.c.map.mul, d);
-  r.c.map.add = __shfl_down_sync(0xffffffffu, x.c.map.add, d);
-  r.c.last_j = __shfl_down_sync(0xffffffffu, x.c.last_j, d);
-  return r;
+  return shfl_elem(x, [d](auto v) { return __shfl_down_sync(0xffffffffu, v, d); });
 }
 
 struct ScanShared {
