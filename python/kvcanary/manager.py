@@ -82,7 +82,7 @@ class CanaryManager:
             raise CanaryInputError("perturbation edits per-token slot tables: it needs PoolDescription.table_page == 1")
         self.device = pool.resolved_device
         self.backend = check_backend(config.resolved_backend(self.device.type), self.device)
-        self.state = CanaryState(pool, config)
+        self.state = CanaryState(pool, config, self.backend)
         self.prefix_cache = prefix_cache
         self.sweeper = Sweeper(self.state, self.backend, config.sweep_unlocked_only)
         self.perturber = Perturber(self.state, config.perturb, config.fingerprint)

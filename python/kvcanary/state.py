@@ -46,8 +46,9 @@ class GroupState:
     seal: Fingerprint | None = None  # every byte of every source, stored in the HEAD records (config.sealing)
     reuse_plan: torch.Tensor | None = None  # reuse check: each new request's reused prefix, against the seal
     reuse_status: torch.Tensor | None = None
-    # per write op (HEAD write or seal, TAIL write): its own look-back workspace (ops.write.write_workspace)
-    write_workspaces: tuple[torch.Tensor, ...] = ()
+    # per write op (HEAD write or seal, TAIL write): its own look-back workspace (ops.write.write_workspace; cuda
+    # backend only, none for the others)
+    write_workspaces: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
 
     @property
     def window(self) -> int:
@@ -62,11 +63,14 @@ class GroupState:
 class CanaryState:
     """Every device buffer of one installed canary; sizes are fixed here and never change."""
 
-    def __init__(self, pool: PoolDescription, config: CanaryConfig) -> None:
+    def __init__(self, pool: PoolDescription, config: CanaryConfig, backend: str = "torch") -> None:
+        """Every buffer of ``pool`` under ``config``; ``backend`` (the checked one the ops run on) decides which
+        backend-only scratch exists (the CUDA write's look-back workspaces)."""
         pool.validate()
         self.device = pool.resolved_device
         self.pool = pool
         self.config = config
+        self.backend = backend
         d = self.device
         rc, tc = config.req_capacity, config.token_capacity
         self.groups: list[GroupState] = [self._group(spec) for spec in pool.groups]
@@ -152,7 +156,8 @@ class CanaryState:
         return GroupState(
             spec, head, tail, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), _i64(NUM_PLAN_STATUS_COLS, device=d),
             *plan_buffers(stripe), fp, seal, *plan_buffers(reuse),
-            write_workspaces=tuple(write_workspace(cfg.token_capacity, d) for _ in (Stage.HEAD, Stage.TAIL)))
+            write_workspaces=(write_workspace(cfg.token_capacity, d), write_workspace(cfg.token_capacity, d))
+            if self.backend == "cuda" else (None, None))
 
     def transfer_buffers(self) -> list[TransferBuffer]:
         """The canary records to send with the KV in a prefill->decode transfer, indexable by slot."""
@@ -176,7 +181,7 @@ class CanaryState:
     def _tensors(self) -> list[torch.Tensor]:
         ts = [self.arena, self.truth_rows, self.sweep_plan, self.sweep_status]
         for g in self.groups:
-            ts += [g.head.records, g.tail.records, g.plan, g.status, *(w for w in g.write_workspaces if w.numel())]
+            ts += [g.head.records, g.tail.records, g.plan, g.status, *(w for w in g.write_workspaces if w is not None)]
         if self.token_pool is not None:
             ts += [self.token_pool.tokens, self.token_pool.lens]
         return ts

@@ -215,3 +215,29 @@ def test_alarm_windows_lose_no_rows_and_stage_no_empty_windows() -> None:
     assert all(r.total or r.last_step % 16 == 0 for r in windows[:-1])
     assert sum(r.total for r in windows) == int(m.state.sink.counters[:, CounterCol.VIOLATIONS].sum()) > 0
     assert not m.health.problems
+
+
+@pytest.mark.parametrize("cfg", [{}, {"fingerprint": "all"}])
+def test_long_prefills_take_the_look_back_and_match_the_reference(cfg: dict[str, object]) -> None:
+    """Prefills of 1500-2600 tokens (their writes scan tiles through the look-back workspaces, which only the cuda
+    backend allocates), then decodes: the cuda backend's records and reports equal the torch backend's on the GPU."""
+    managers, engines = [], []
+    for backend in ("cuda", "torch"):
+        eng = FakeEngine(num_slots=8192, req_rows=4, max_context=2700, device="cuda")
+        m = install(eng, CanaryConfig(backend=backend, stats_interval=0, sweep_interval=0, report_interval=1,
+                                      token_capacity=4200, **cfg))  # type: ignore[arg-type]
+        for i, n in enumerate((1500, 2600)):
+            eng.add(f"r{i}", [(7 * j + i) % 30000 for j in range(n)])
+        managers.append(m)
+        engines.append(eng)
+    for _ in range(4):  # the prefill, then decodes
+        for eng, m in zip(engines, managers, strict=True):
+            _eager(eng, m)
+    ws = managers[0].state.groups[0].write_workspaces
+    assert managers[1].state.groups[0].write_workspaces == (None, None)
+    assert all(w is not None and int(w[2]) >= 1 and w[:2].tolist() == [0, 0] for w in ws)  # used, restored
+    for m in managers:
+        m.flush()
+    cuda, ref = (m.state.groups[0] for m in managers)
+    assert torch.equal(cuda.head.records, ref.head.records) and torch.equal(cuda.tail.records, ref.tail.records)
+    assert _rows(managers[0]) == _rows(managers[1]) == []
