@@ -1,7 +1,8 @@
 // CUDA write (docs/ops-contract.md 5): the chain of each segment is an exclusive affine scan (core/write.cuh
 // WriteCarry) over flat token tiles. A tile scans its tokens block-wide with segment heads; the carry of its first
 // segment's earlier tokens comes, with a workspace, from the earlier tiles' published aggregates (a decoupled
-// look-back), else by reducing those tokens itself; then it stores both halves. PARTIAL fingerprints (a few bytes per token) are hashed by the token's own thread, also
+// look-back), else by reducing those tokens itself; then it stores both halves. PARTIAL fingerprints (a few bytes
+// per token) are hashed by the token's own thread, also
 // on the one-block decode path. ALL fingerprints (the seal: every byte of every layer) use small tiles, down to one
 // token per block, so that the rows spread over every SM, and the block's warps share the tile's (token, half,
 // layer) rows (block_fp_sums).
@@ -223,8 +224,8 @@ constexpr int64_t kWsFlag = 0, kWsHead = 1, kWsMul = 2, kWsAdd = 3, kWsLastJ = 4
 
 struct ScanWorkspace {
   int64_t* data;  // nullptr: none (the tile reduces its carry itself)
-  int64_t tiles;  // tile slots after the header
 };
+constexpr ScanWorkspace kNoWorkspace{nullptr};
 
 __device__ __forceinline__ int64_t load_acquire(const int64_t* p) {
   int64_t v;
@@ -569,16 +570,16 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
   const auto ws_for = [&](int64_t grid, int64_t tile) {
     const bool use = grid > 1 && a.num_tokens > kWriteThreads * kItemsNoFp && grid <= ws_tiles &&
                      grid * tile >= a.num_tokens;
-    return ScanWorkspace{use ? static_cast<int64_t*>(workspace.data_ptr()) : nullptr, use ? ws_tiles : 0};
+    return use ? ScanWorkspace{static_cast<int64_t*>(workspace.data_ptr())} : kNoWorkspace;
   };
   const auto blocks = [&](int64_t tile) { return a.num_tokens > 0 ? ceil_div(a.num_tokens, tile) : int64_t{1}; };
   // At least one block: it reports range errors and counts the run even with no tokens.
   const bool partial = a.fp_mode == static_cast<int32_t>(FingerprintMode::PARTIAL);
   if ((a.fp_table == nullptr || partial) && a.num_tokens <= kWriteThreads) {  // decode-sized: one item per thread
     if (a.fp_table == nullptr) {
-      write_kernel<1, false><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads, ws_for(1, kWriteThreads));
+      write_kernel<1, false><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads, kNoWorkspace);
     } else {
-      write_kernel<1, true><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads, ws_for(1, kWriteThreads));
+      write_kernel<1, true><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads, kNoWorkspace);
     }
   } else if (a.fp_table == nullptr && ws_for(blocks(kWriteThreads), kWriteThreads).data != nullptr) {
     // the look-back makes small tiles cheap: one token per thread, every tile in flight at once
@@ -588,7 +589,7 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
   } else if (a.fp_table == nullptr) {  // no workspace: large tiles, each reducing its own carry
     const int64_t tile = kWriteThreads * kItemsNoFp;
     write_kernel<kItemsNoFp, false><<<static_cast<unsigned>(blocks(tile)), kWriteThreads, 0, stream>>>(
-        a, tile, ws_for(1, tile));
+        a, tile, kNoWorkspace);
   } else {
     const int64_t tile = fp_tile(a.num_tokens, dev.device_id), grid = blocks(tile);
     write_kernel<1, true><<<static_cast<unsigned>(grid), kWriteThreads, 0, stream>>>(a, tile, ws_for(grid, tile));
