@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -29,3 +30,20 @@ def test_every_cpu_op_has_a_cuda_twin() -> None:
     cpu = {Path(p).stem for p in _native.sources("cpu")} - {"hash_ops", "truth"}  # host-side ops: no device twin
     cuda = {Path(p).stem for p in _native.sources("cuda")}
     assert cpu <= cuda, cpu - cuda
+
+
+def test_every_kernel_awaits_prior_kernels_first() -> None:
+    """launch_kernel's contract (csrc/cuda/cuda_common.cuh): a kernel launched as a programmatic dependent launch may be
+    scheduled while the previous kernel of its stream still runs, so each kernel's first statement must be
+    ``await_prior_kernels()``, and every launch must go through ``launch_kernel`` (no ``<<<``)."""
+    kernels = 0
+    for src in _native.sources("cuda"):
+        text = Path(src).read_text()
+        assert "<<<" not in text, f"{src}: a launch outside launch_kernel"
+        for m in re.finditer(r"__global__[^{;]*\{", text):
+            kernels += 1
+            body = text[m.end():].lstrip()
+            while body.startswith("__shared__"):  # declarations touch no memory
+                body = body[body.index(";") + 1:].lstrip()
+            assert body.startswith("await_prior_kernels();"), f"{src}: {text[m.start():m.end()]!r}"
+    assert kernels >= len(OPS) - 1, kernels  # make_sequence launches nothing

@@ -13,6 +13,7 @@ constexpr int kBookkeepThreads = 64;
 
 __global__ void __launch_bounds__(kBookkeepThreads) bookkeep_kernel(int64_t* counter, int64_t k, int64_t* acc,
                                                                     const int64_t* src, int64_t n) {
+  await_prior_kernels();
   for (int64_t j = threadIdx.x; j < k; j += kBookkeepThreads) ++counter[j];
   for (int64_t i = threadIdx.x; i < n; i += kBookkeepThreads) acc[i] = acc[i] > src[i] ? acc[i] : src[i];
 }
@@ -26,10 +27,9 @@ void bookkeep(TensorView counter, TensorView acc, TensorView src) {
   if (k == 0 && n == 0) return;
   const DLDevice dev = counter.device();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
-  bookkeep_kernel<<<1, kBookkeepThreads, 0, stream_of(dev)>>>(static_cast<int64_t*>(counter.data_ptr()), k,
-                                                              static_cast<int64_t*>(acc.data_ptr()),
-                                                              static_cast<const int64_t*>(src.data_ptr()), n);
-  check_launch();
+  launch_kernel(bookkeep_kernel, 1, kBookkeepThreads, stream_of(dev), dev.device_id,
+                static_cast<int64_t*>(counter.data_ptr()), k, static_cast<int64_t*>(acc.data_ptr()),
+                static_cast<const int64_t*>(src.data_ptr()), n);
 }
 
 }  // namespace cuda

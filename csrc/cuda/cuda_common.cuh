@@ -11,6 +11,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <utility>
 
 #include "core/fingerprint.cuh"
 #include "core/resolve.cuh"
@@ -52,7 +53,39 @@ inline cudaStream_t stream_of(DLDevice dev) {
   return static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
 }
 
-inline void check_launch() { TVM_FFI_CHECK_CUDA_ERROR(cudaGetLastError()); }
+// Programmatic dependent launch (sm_90 and later): a kernel launched by launch_kernel may be scheduled while the
+// previous kernel of its stream still runs (that kernel lets it, see await_prior_kernels), so its launch latency hides
+// behind that kernel's tail; a captured graph keeps this as a programmatic edge. Earlier devices: plain stream order.
+inline bool dependent_launch_ok(int device_id) {
+  static std::array<std::atomic<int>, kMaxDevices> cache{};  // 0 unknown, 1 no, 2 yes
+  TVM_FFI_ICHECK(device_id >= 0 && device_id < kMaxDevices) << "device id " << device_id;
+  int v = cache[device_id].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0;
+    TVM_FFI_CHECK_CUDA_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_id));
+    v = major >= 9 ? 2 : 1;
+    cache[device_id].store(v, std::memory_order_relaxed);
+  }
+  return v == 2;
+}
+
+// Launch `kernel` (whose first statement must be await_prior_kernels()) on `stream` as a programmatic dependent launch
+// where the device has it; throws on a launch error.
+template <typename... Params, typename... Args>
+inline void launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, cudaStream_t stream, int device_id,
+                          Args&&... args) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = dependent_launch_ok(device_id) ? 1 : 0;
+  TVM_FFI_CHECK_CUDA_ERROR(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
 
 inline void check_cuda(const tvm::ffi::TensorView& t, const char* name) {
   check_device_type(t, kDLCUDA, name);
@@ -66,6 +99,16 @@ inline const int64_t* opt_ptr(const tvm::ffi::TensorView& t) {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 #if defined(__CUDACC__)
+
+// The first statement of every kernel (launch_kernel's contract): waits until every earlier kernel of the stream has
+// finished and its memory is visible (this kernel may have been scheduled before that), then lets the next kernel of
+// the stream be scheduled, which waits the same way before touching memory. No memory access may precede it.
+__device__ __forceinline__ void await_prior_kernels() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ uint64_t warp_sum_u64(uint64_t v) {
 #pragma unroll

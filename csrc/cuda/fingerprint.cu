@@ -29,6 +29,7 @@ __device__ __forceinline__ bool fp_item_ok(const FpLaunch& L, int64_t slot, int6
 }
 
 __global__ void __launch_bounds__(kFpThreads) fingerprint_warp_kernel(FpLaunch L) {
+  await_prior_kernels();
   const int lane = threadIdx.x % kWarp;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (kFpThreads / kWarp);
   for (int64_t i = (static_cast<int64_t>(blockIdx.x) * kFpThreads + threadIdx.x) / kWarp; i < L.n; i += warps) {
@@ -42,6 +43,7 @@ __global__ void __launch_bounds__(kFpThreads) fingerprint_warp_kernel(FpLaunch L
 }
 
 __global__ void __launch_bounds__(kFpThreads) fingerprint_thread_kernel(FpLaunch L) {
+  await_prior_kernels();
   const int64_t threads = static_cast<int64_t>(gridDim.x) * kFpThreads;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kFpThreads + threadIdx.x; i < L.n; i += threads) {
     const int64_t slot = L.slots[i], position = L.positions[i];
@@ -75,14 +77,13 @@ void fingerprint(TensorView table, int64_t half, TensorView slots, TensorView po
     const int64_t full = sms * resident_blocks(fingerprint_thread_kernel, kFpThreads, dev.device_id,
                                                g_fp_thread_occupancy);
     const int64_t grid = std::min<int64_t>(full, ceil_div(n, kFpThreads));
-    fingerprint_thread_kernel<<<static_cast<unsigned>(grid), kFpThreads, 0, stream>>>(L);
+    launch_kernel(fingerprint_thread_kernel, static_cast<unsigned>(grid), kFpThreads, stream, dev.device_id, L);
   } else {
     const int64_t full = sms * resident_blocks(fingerprint_warp_kernel, kFpThreads, dev.device_id,
                                                g_fp_warp_occupancy);
     const int64_t grid = std::min<int64_t>(full, ceil_div(n, kFpThreads / kWarp));
-    fingerprint_warp_kernel<<<static_cast<unsigned>(grid), kFpThreads, 0, stream>>>(L);
+    launch_kernel(fingerprint_warp_kernel, static_cast<unsigned>(grid), kFpThreads, stream, dev.device_id, L);
   }
-  check_launch();
 }
 
 }  // namespace cuda

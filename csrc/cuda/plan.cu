@@ -37,6 +37,7 @@ struct PlanForwardLaunch {
 };
 
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwardLaunch launch) {
+  await_prior_kernels();
   __shared__ BlockSumScratch<kPlanThreads, kLanes> scratch;
   const PlanForwardArgs& a = launch.args[blockIdx.x];
   int64_t carry[kLanes] = {0, 0, 0, 0, 0, 0};
@@ -129,6 +130,7 @@ enum : int { kSSeg = 0, kSVer, kSErr, kSLanes };
 template <typename Chains>
 __global__ void __launch_bounds__(kPlanThreads, 1)
     plan_sweep_kernel(Chains chains, int64_t* plan, int64_t* status, int64_t n, int64_t n_slots, bool has_expect_end) {
+  await_prior_kernels();
   __shared__ BlockSumScratch<kPlanThreads, kSLanes> scratch;
   int64_t carry[kSLanes] = {0, 0, 0};
   for (int64_t base = 0; base < n; base += kPlanThreads) {
@@ -166,10 +168,9 @@ void launch_sweep_plan(const TensorView& plan, const TensorView& status, const C
                        int64_t n_slots, bool has_expect_end) {
   const DLDevice dev = plan.device();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
-  plan_sweep_kernel<<<1, kPlanThreads, 0, stream_of(dev)>>>(chains, static_cast<int64_t*>(plan.data_ptr()),
-                                                            static_cast<int64_t*>(status.data_ptr()), n, n_slots,
-                                                            has_expect_end);
-  check_launch();
+  launch_kernel(plan_sweep_kernel<Chains>, 1, kPlanThreads, stream_of(dev), dev.device_id, chains,
+                static_cast<int64_t*>(plan.data_ptr()), static_cast<int64_t*>(status.data_ptr()), n, n_slots,
+                has_expect_end);
 }
 
 }  // namespace
@@ -222,8 +223,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
     r.flag_mask = nullptr;
     r.window = 0;
   }
-  plan_forward_kernel<<<has_reuse ? 2 : 1, kPlanThreads, 0, stream_of(dev)>>>(launch);
-  check_launch();
+  launch_kernel(plan_forward_kernel, has_reuse ? 2 : 1, kPlanThreads, stream_of(dev), dev.device_id, launch);
 }
 
 void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView starts, TensorView lens,

@@ -25,6 +25,7 @@ struct ScatterLaunch {
 __device__ __forceinline__ int64_t saturated_count(int64_t c, int64_t T) { return c <= 0 ? 0 : (c < T + 1 ? c : T + 1); }
 
 __global__ void __launch_bounds__(kScatterThreads) scatter_tokens_kernel(ScatterLaunch a) {
+  await_prior_kernels();
   __shared__ int64_t s_reduce[kScatterThreads / kWarp];
   __shared__ int64_t s_off;
   for (int64_t i = blockIdx.x; i < a.n; i += gridDim.x) {
@@ -67,8 +68,7 @@ void scatter_tokens(TensorView pool_tokens, TensorView pool_lens, TensorView row
   const DLDevice dev = pool_tokens.device();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const int64_t grid = std::min<int64_t>(n, 8 * static_cast<int64_t>(sm_count(dev.device_id)));
-  scatter_tokens_kernel<<<static_cast<unsigned>(grid), kScatterThreads, 0, stream_of(dev)>>>(a);
-  check_launch();
+  launch_kernel(scatter_tokens_kernel, static_cast<unsigned>(grid), kScatterThreads, stream_of(dev), dev.device_id, a);
 }
 
 }  // namespace cuda

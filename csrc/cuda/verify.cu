@@ -98,6 +98,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // other modes keeps its registers).
 template <int kHalves, bool kBlockFp>
 __global__ void __launch_bounds__(kVerifyThreads, kHalves == 2 ? 3 : 4) verify_kernel(VerifyLaunch L) {
+  await_prior_kernels();
   __shared__ int64_t s_off[kSmemSegments];  // ENTRY_OFFSET of every segment when they fit
   __shared__ int64_t s_reduce[3 * kVerifyThreads / kWarp];
   __shared__ int64_t s_total;
@@ -316,8 +317,7 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
   const int64_t most = cols > 0 && plan.size(0) > (int64_t{1} << 40) / cols ? (int64_t{1} << 40) : plan.size(0) * cols;
   const int64_t per_block_max = all ? 1 : kVerifyThreads;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(full, ceil_div(most, per_block_max))));
-  kernel<<<grid, kVerifyThreads, 0, stream_of(dev)>>>(L);
-  check_launch();
+  launch_kernel(kernel, grid, kVerifyThreads, stream_of(dev), dev.device_id, L);
 }
 
 }  // namespace cuda

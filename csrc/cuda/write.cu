@@ -316,6 +316,7 @@ struct Item {
 
 template <int kItems, bool kFp>
 __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64_t tile, ScanWorkspace ws) {
+  await_prior_kernels();
   __shared__ ScanShared sh;
   __shared__ BlockSumScratch<kWriteThreads, 1> sh_sum;
   __shared__ int64_t s_mark[kWriteThreads * kItems];     // segment whose first in-tile entry is here, -1 = none
@@ -575,26 +576,22 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
   const auto blocks = [&](int64_t tile) { return a.num_tokens > 0 ? ceil_div(a.num_tokens, tile) : int64_t{1}; };
   // At least one block: it reports range errors and counts the run even with no tokens.
   const bool partial = a.fp_mode == static_cast<int32_t>(FingerprintMode::PARTIAL);
+  const auto go = [&](auto kernel, int64_t grid, int64_t tile, ScanWorkspace ws) {
+    launch_kernel(kernel, static_cast<unsigned>(grid), kWriteThreads, stream, dev.device_id, a, tile, ws);
+  };
   if ((a.fp_table == nullptr || partial) && a.num_tokens <= kWriteThreads) {  // decode-sized: one item per thread
-    if (a.fp_table == nullptr) {
-      write_kernel<1, false><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads, kNoWorkspace);
-    } else {
-      write_kernel<1, true><<<1, kWriteThreads, 0, stream>>>(a, kWriteThreads, kNoWorkspace);
-    }
+    go(a.fp_table == nullptr ? write_kernel<1, false> : write_kernel<1, true>, 1, kWriteThreads, kNoWorkspace);
   } else if (a.fp_table == nullptr && ws_for(blocks(kWriteThreads), kWriteThreads).data != nullptr) {
     // the look-back makes small tiles cheap: one token per thread, every tile in flight at once
     const int64_t grid = blocks(kWriteThreads);
-    write_kernel<1, false><<<static_cast<unsigned>(grid), kWriteThreads, 0, stream>>>(a, kWriteThreads,
-                                                                                      ws_for(grid, kWriteThreads));
+    go(write_kernel<1, false>, grid, kWriteThreads, ws_for(grid, kWriteThreads));
   } else if (a.fp_table == nullptr) {  // no workspace: large tiles, each reducing its own carry
     const int64_t tile = kWriteThreads * kItemsNoFp;
-    write_kernel<kItemsNoFp, false><<<static_cast<unsigned>(blocks(tile)), kWriteThreads, 0, stream>>>(
-        a, tile, kNoWorkspace);
+    go(write_kernel<kItemsNoFp, false>, blocks(tile), tile, kNoWorkspace);
   } else {
     const int64_t tile = fp_tile(a.num_tokens, dev.device_id), grid = blocks(tile);
-    write_kernel<1, true><<<static_cast<unsigned>(grid), kWriteThreads, 0, stream>>>(a, tile, ws_for(grid, tile));
+    go(write_kernel<1, true>, grid, tile, ws_for(grid, tile));
   }
-  check_launch();
 }
 
 int64_t write_workspace_size(int64_t max_tokens, int64_t device_id) {
