@@ -101,11 +101,12 @@ REPLAY_TARGET_US = 30.0
 ENGINE_TARGET_MS = 0.15
 
 
-def make_config(name: str, backend: str, bs: int, prefix: int) -> CanaryConfig:
+def make_config(name: str, backend: str, bs: int, prefix: int, req_capacity: int = 0) -> CanaryConfig:
     """``default``: CanaryConfig()'s detection policy; ``minimal``: the policy before #14 (no fingerprints, seal,
     reuse check, rolling sweep or structural check); ``per-forward``: the default policy staging a report window
-    every forward (report_interval 1, the default before the violation alarm). Capacities fit the workload."""
-    caps = {"backend": backend, "req_capacity": max(bs, 1), "token_capacity": max(bs * prefix, bs)}
+    every forward (report_interval 1, the default before the violation alarm). Capacities fit the workload
+    (``req_capacity`` > 0: that many requests, as an engine installs for its largest batch)."""
+    caps = {"backend": backend, "req_capacity": req_capacity or max(bs, 1), "token_capacity": max(bs * prefix, bs)}
     if name == "per-forward":
         return CanaryConfig(report_interval=1, **caps)  # type: ignore[arg-type]
     if name == "minimal":
@@ -115,10 +116,10 @@ def make_config(name: str, backend: str, bs: int, prefix: int) -> CanaryConfig:
 
 
 def bench_case(bs: int, prefix: int, backend: str, device: torch.device, iters: int,
-               config: str = "default") -> dict[str, Any]:
+               config: str = "default", req_capacity: int = 0) -> dict[str, Any]:
     """Median host time per bracket phase over ``iters`` decode forwards, plus allocation/sync counts."""
     w = Workload(bs, prefix, iters + 2, device)
-    m: CanaryManager = install(w.pool(), make_config(config, backend, bs, prefix))
+    m: CanaryManager = install(w.pool(), make_config(config, backend, bs, prefix, req_capacity))
     cuda = device.type == "cuda"
     mem = [0, 0]
 
@@ -167,11 +168,11 @@ def bench_case(bs: int, prefix: int, backend: str, device: torch.device, iters: 
 
 
 def bench_replay(bs: int, prefix: int, backend: str, device: torch.device, iters: int,
-                 config: str = "default") -> dict[str, Any]:
+                 config: str = "default", req_capacity: int = 0) -> dict[str, Any]:
     """CUDA: pre/post captured in graphs once, then the median host time of begin(kind=replay) + end per decode, and
     the GPU time of the two replayed graphs (events around them: the canary's device work of one captured forward)."""
     w = Workload(bs, prefix, iters + 4, device)
-    m = install(w.pool(), make_config(config, backend, bs, prefix))
+    m = install(w.pool(), make_config(config, backend, bs, prefix, req_capacity))
     for b in (w.batch(prefix), w.batch(1)):  # prefill and a warm-up decode, eager
         m.begin_forward(b)
         m.pre_forward()
@@ -259,6 +260,8 @@ def main() -> None:
     ap.add_argument("--config", default="default", help="default (CanaryConfig()), minimal (before #14), per-forward "
                     "(the defaults staging a report window every forward), both (default + minimal) or all")
     ap.add_argument("--engine-steps", type=int, default=200, help="reference engine forwards (0: skip that row)")
+    ap.add_argument("--req-capacity", type=int, default=0, help="requests the canary is installed for (0: the batch "
+                    "size; an engine installs for its largest batch)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     device = torch.device(a.device)
@@ -267,10 +270,10 @@ def main() -> None:
     for config in configs:
         for backend in a.backends.split(","):
             for bs in map(int, a.bs.split(",")):
-                rows.append(bench_case(bs, a.prefix, backend, device, a.iters, config))
+                rows.append(bench_case(bs, a.prefix, backend, device, a.iters, config, a.req_capacity))
                 print(json.dumps(rows[-1]))
                 if device.type == "cuda":
-                    rows.append(bench_replay(bs, a.prefix, backend, device, a.iters, config))
+                    rows.append(bench_replay(bs, a.prefix, backend, device, a.iters, config, a.req_capacity))
                     print(json.dumps(rows[-1]))
     if a.engine_steps:
         rows.append(engine_case(a.device, a.backends.split(",")[-1], a.engine_steps))
@@ -280,7 +283,8 @@ def main() -> None:
                       *lines]))
     out = {"machine": platform.node(), "torch": torch.__version__, "cpu_count": torch.get_num_threads(),
            "command": f"python -m bench.bench_runtime --device {a.device} --backends {a.backends} --bs {a.bs} "
-                      f"--prefix {a.prefix} --iters {a.iters} --config {a.config} --engine-steps {a.engine_steps}",
+                      f"--prefix {a.prefix} --iters {a.iters} --config {a.config} --engine-steps {a.engine_steps} "
+                      f"--req-capacity {a.req_capacity}",
            "note": "host time of one decode bracket (begin/pre/post/end; replay: begin+end around graph replays), "
                    "median; K half, FULL group, token truth chain (bulk form: true_new_tokens), policy full; on CPU "
                    "the device parts include the op work itself",

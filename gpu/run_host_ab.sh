@@ -4,7 +4,8 @@
 # bench_runtime.py for both, from this tree), then the GPU test suite on B. Files in $OUT: ab_log.txt
 # runtime_{A,B}{1,2}.json junit.xml.
 # A: `git worktree add /tmp/A <commit> && pip wheel --no-deps -w .ab/wheelA /tmp/A` (carry .ab and .whl).
-# Needs .whl with the tvm-ffi wheel and this tree's kvcanary wheel. Usage (repo root): bash gpu/run_host_ab.sh [tests]
+# Needs .whl with the tvm-ffi wheel and this tree's kvcanary wheel. Usage (repo root): [BENCH_ARGS="--req-capacity 256"]
+# bash gpu/run_host_ab.sh [tests]
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -15,7 +16,7 @@ mkdir -p "$OUT"
     .ab/wheelA/*.whl || exit 1
   export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCANARY_CACHE_DIR=/tmp/kvcanary-jit
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
-  BENCH="python3 -m bench.bench_runtime --device cuda --backends cuda --iters 300 --config default --engine-steps 100"
+  BENCH="python3 -m bench.bench_runtime --device cuda --backends cuda --iters 300 --config default --engine-steps 100 ${BENCH_ARGS:-}"
   for run in 1 2; do
     for side in A B; do
       echo "=== bench_runtime $side$run $(date -u +%T)"

@@ -691,7 +691,8 @@ def test_bad_objects_and_options(no_native: None) -> None:
         ({"group": base["group"].records}, "group"), ({"stage": 1}, "stage"), ({"sink": None}, "sink"),
         ({"token_pool": (1, 2)}, "token_pool"), ({"fingerprint": src}, "fingerprint"),
         ({"stage": Stage.HEAD, "fingerprint": Fingerprint(src)}, "HEAD"),
-        ({"backend": "gpu"}, "backend"),
+        ({"backend": "gpu"}, "backend"), ({"max_segment_entries": -1}, "max_segment_entries"),
+        ({"max_segment_entries": True}, "max_segment_entries"),
         ({"token_pool": TokenPool(torch.zeros(2, 3, dtype=torch.int64, device="meta"),
                                   torch.zeros(2, dtype=torch.int64, device="meta"))}, "token pool"),
         ({"fingerprint": Fingerprint(FingerprintSources([[SourceSpec(torch.zeros(2, 16, dtype=torch.uint8))]] * 2,
@@ -710,7 +711,7 @@ def test_native_entry_validates_again() -> None:
     g = sc.group
     call: list[Any] = [g.records, e if g.swa_map is None else g.swa_map, int(g.swa_map is not None),
                        g.reserved_slots, 2, 3, sc.plan, sc.status, sc.table, sink.rows, sink.count, sink.counters,
-                       sink.step, e, e, 0, 0, e, 0, 1, 1, 1]
+                       sink.step, e, e, 0, 0, e, 0, 1, 1, 1, 0]
     m.verify(*call)
     bads: list[tuple[int, Any]] = [
         (0, g.records.view(g.num_slots, -1)), (0, torch.zeros(3, 3, 4, dtype=torch.int64)),
@@ -718,7 +719,7 @@ def test_native_entry_validates_again() -> None:
         (3, -1), (3, g.num_slots + 1), (4, NUM_LAUNCH_TAGS), (4, -1), (6, sc.plan[:, :3].contiguous()),
         (7, e), (8, sc.table.to(torch.float32)), (9, sink.rows[:, :4].contiguous()), (10, e),
         (11, sink.counters[:3].contiguous()), (12, e), (15, 1), (18, 7), (18, int(FingerprintMode.ALL)),
-        (20, 0), (20, -2), (21, 0), (21, 3), (21, -4),
+        (20, 0), (20, -2), (21, 0), (21, 3), (21, -4), (22, -1),
     ]
     if g.halves == 2:
         bads.append((5, 99))

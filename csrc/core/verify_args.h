@@ -13,6 +13,7 @@ struct VerifyArgs {
   int64_t plan_cap;
   const int64_t* status;
   bool want_fp;
+  int64_t max_segment_entries;  // a bound on any segment's entries for launch geometry only (0: none given)
 };
 
 inline void check_launch_tag(int64_t tag, const char* name) {
@@ -25,7 +26,8 @@ inline VerifyArgs make_verify_args(DLDeviceType device, TensorView records, Tens
                                    TensorView status, TensorView table, TensorView ring_rows, TensorView ring_count,
                                    TensorView counters, TensorView step, TensorView pool_tokens, TensorView pool_lens,
                                    int64_t has_pool, int64_t token_offset, TensorView fp_table, int64_t fp_mode,
-                                   int64_t fp_layer_stride, int64_t table_page, int64_t fp_share) {
+                                   int64_t fp_layer_stride, int64_t table_page, int64_t fp_share,
+                                   int64_t max_segment_entries) {
   check_i64_tensor(records, records, 3, "records", "records");
   check_device_type(records, device, "records");
   const int64_t num_slots = records.size(0), halves = records.size(1);
@@ -62,6 +64,8 @@ inline VerifyArgs make_verify_args(DLDeviceType device, TensorView records, Tens
   }
   TVM_FFI_CHECK(fp_share >= 1 && (fp_share & (fp_share - 1)) == 0, ValueError)
       << "fp_share must be a power of two >= 1, got " << fp_share;
+  TVM_FFI_CHECK(max_segment_entries >= 0, ValueError)
+      << "max_segment_entries must be >= 0, got " << max_segment_entries;
 
   VerifyArgs a{};
   VerifyParams& P = a.P;
@@ -87,6 +91,7 @@ inline VerifyArgs make_verify_args(DLDeviceType device, TensorView records, Tens
   a.plan_cap = plan.size(0);
   a.status = static_cast<const int64_t*>(status.data_ptr());
   a.want_fp = want_fp;
+  a.max_segment_entries = max_segment_entries;
   return a;
 }
 

@@ -102,7 +102,9 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The first statement of every kernel (launch_kernel's contract): waits until every earlier kernel of the stream has
 // finished and its memory is visible (this kernel may have been scheduled before that), then lets the next kernel of
-// the stream be scheduled, which waits the same way before touching memory. No memory access may precede it.
+// the stream be scheduled, which waits the same way before touching memory. No memory access may precede it. Wait
+// first, trigger second: a later kernel of another library that reads before its own wait (its prologue) then still
+// finds every kernel before this one finished.
 __device__ __forceinline__ void await_prior_kernels() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -4,6 +4,8 @@
 // with few entries spread one or a few per block over the grid; a persistent grid sized from the SM count.
 #include <tvm/ffi/function.h>
 
+#include <algorithm>
+
 #include "core/verify_args.h"
 #include "cuda/cuda_common.cuh"
 
@@ -289,11 +291,11 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
             int64_t tag_v, TensorView plan, TensorView status, TensorView table, TensorView ring_rows,
             TensorView ring_count, TensorView counters, TensorView step, TensorView pool_tokens, TensorView pool_lens,
             int64_t has_pool, int64_t token_offset, TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride,
-            int64_t table_page, int64_t fp_share) {
+            int64_t table_page, int64_t fp_share, int64_t max_segment_entries) {
   const VerifyArgs a = make_verify_args(kDLCUDA, records, swa_map, has_swa_map, reserved_slots, tag_k, tag_v, plan,
                                         status, table, ring_rows, ring_count, counters, step, pool_tokens, pool_lens,
                                         has_pool, token_offset, fp_table, fp_mode, fp_layer_stride, table_page,
-                                        fp_share);
+                                        fp_share, max_segment_entries);
   const int64_t halves = a.P.halves;
   VerifyLaunch L{};
   L.P = a.P;
@@ -313,7 +315,8 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
   const int64_t full = static_cast<int64_t>(sm_count(dev.device_id)) *
                        resident_blocks(kernel, kVerifyThreads, dev.device_id,
                                        g_verify_occupancy[halves - 1][all ? 1 : 0]);
-  const int64_t cols = a.P.table.cols;
+  // entries per segment: at most a table row, or the caller's bound (a plan of window W: W entries per request)
+  const int64_t cols = a.max_segment_entries > 0 ? std::min(a.P.table.cols, a.max_segment_entries) : a.P.table.cols;
   const int64_t most = cols > 0 && plan.size(0) > (int64_t{1} << 40) / cols ? (int64_t{1} << 40) : plan.size(0) * cols;
   const int64_t per_block_max = all ? 1 : kVerifyThreads;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(full, ceil_div(most, per_block_max))));

@@ -156,6 +156,9 @@ class DeviceProgram:
         page, pad, b = self.pool.table_page, self.pool.padding_row, self.backend
         chain = cfg.token_truth == TokenTruth.CHAIN
         rpi, zeros = st.req_pool_indices[:bs], st.zeros[:bs]
+        rows = max(bs, 1)  # plans sized to the batch (a request plans at most one segment): the CUDA verify's grid
+        # comes from the plan's rows times the entries a segment may hold
+        fwd_plan = g.plan[:rows]
 
         def plan(p: torch.Tensor, s: torch.Tensor, pre: torch.Tensor, ext: torch.Tensor, window: int,
                  truth: bool = False, reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Op:
@@ -168,32 +171,35 @@ class DeviceProgram:
 
         def verifies(stage: Stage) -> list[Op]:
             fp = g.fingerprint if stage == Stage.TAIL else None
-            plans = [(g.plan, g.status)] + ([(g.stripe_plan, g.stripe_status)] if g.stripe_plan is not None and
-                                            g.stripe_status is not None else [])
+            # (plan, status, its window: the most entries a segment holds, 0 = a whole prefix)
+            plans = [(fwd_plan, g.status, window)] + (
+                [(g.stripe_plan[:rows], g.stripe_status, cfg.stripe_size)]
+                if g.stripe_plan is not None and g.stripe_status is not None else [])
             return [bind_verify(g.views(stage), stage, p, s, table, st.sink, token_pool=st.token_pool,
-                                fingerprint=fp, table_page=page, backend=b).frozen() for p, s in plans]
+                                fingerprint=fp, table_page=page, max_segment_entries=w, backend=b).frozen()
+                    for p, s, w in plans]
 
         def write(stage: Stage) -> Op:
             checks = self._checks | (self._structural if stage == Stage.HEAD and gi == 0 else 0)
-            return bind_write(g.views(stage), stage, g.plan, g.status, table, st.input_ids[:nt], st.positions[:nt],
+            return bind_write(g.views(stage), stage, fwd_plan, g.status, table, st.input_ids[:nt], st.positions[:nt],
                               st.out_cache_loc[:nt], st.sink, checks=checks, token_pool=st.token_pool,
                               fingerprint=g.fingerprint if stage == Stage.TAIL else g.seal, table_page=page,
                               workspace=g.write_workspaces[stage == Stage.TAIL], backend=b).frozen()
 
         window = g.window if g.stripe_plan is None else cfg.window_links
         ops: dict[str, list[Op]] = {
-            "plan": [plan(g.plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain)],
+            "plan": [plan(fwd_plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain)],
             "reuse_verify": [], "seal": [write(Stage.HEAD)] if g.seal is not None else [],
             "tail_verify": verifies(Stage.TAIL), "tail_write": [write(Stage.TAIL)]}
         ops["plan_reuse"] = list(ops["plan"])
         if g.reuse_plan is not None and g.reuse_status is not None:  # [0, reuse_end): the whole reused prefix, planned
             # in the main plan's launch
-            ops["plan_reuse"] = [plan(g.plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain,
-                                      (g.reuse_plan, g.reuse_status, st.reuse_end[:bs]))]
-            ops["reuse_verify"] = [bind_verify(g.head, Stage.TAIL, g.reuse_plan, g.reuse_status, table, st.sink,
+            ops["plan_reuse"] = [plan(fwd_plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain,
+                                      (g.reuse_plan[:rows], g.reuse_status, st.reuse_end[:bs]))]
+            ops["reuse_verify"] = [bind_verify(g.head, Stage.TAIL, g.reuse_plan[:rows], g.reuse_status, table, st.sink,
                                                fingerprint=g.seal, table_page=page, backend=b).frozen()]
         if g.stripe_plan is not None and g.stripe_status is not None:
-            stripe = plan(g.stripe_plan, g.stripe_status, st.stripe_end[:bs], zeros, cfg.stripe_size)
+            stripe = plan(g.stripe_plan[:rows], g.stripe_status, st.stripe_end[:bs], zeros, cfg.stripe_size)
             ops["plan"].append(stripe)
             ops["plan_reuse"].append(stripe)
         ops["head"] = [*verifies(Stage.HEAD), *([write(Stage.HEAD)] if g.seal is None else []),

@@ -52,12 +52,14 @@ def _verify_small(seed: int, arbitrary: bool) -> None:
         TV.random_plan(rng, sc)
         consistent_entry_offsets(sc.plan, sc.status)
     outs = {}
+    hint = rng.choice([0, 1, 2, 7, 1 << 20])  # the grid hint, right or wrong, changes no result
     for backend, dev in (("cpu", "cpu"), ("cuda", CUDA), ("torch", CUDA)):
         group = group_to(sc.group, dev)
         sink = Sink.allocate(4096, dev)
         sink.step.fill_(7)
         verify(group, sc.stage, sc.plan.to(dev), sc.status.to(dev), sc.table.to(dev), sink,
-               token_pool=pool_to(sc.pool, dev), fingerprint=fp_to(sc.fp, dev), backend=backend)
+               token_pool=pool_to(sc.pool, dev), fingerprint=fp_to(sc.fp, dev), max_segment_entries=hint,
+               backend=backend)
         assert torch.equal(group.records.cpu(), sc.group.records), f"{backend} verify mutated records"
         outs[backend] = sink
     assert_sinks_equal(outs["cuda"], outs["cpu"], f"seed {seed} cuda vs cpu")
@@ -240,6 +242,13 @@ def test_large_bracket_matches_reference(k: int, look_back: bool) -> None:
     ref = run_bracket(b, "torch")
     got = run_bracket(b, "cuda", workspaces=_workspaces(int(b.ids.shape[0])) if look_back else None)
     assert_brackets_equal(got, ref, f"case {k}")
+
+
+@pytest.mark.parametrize("k", range(len(LARGE)))
+def test_verify_grid_hint_below_the_segments_matches_reference(k: int) -> None:
+    """A grid sized for one entry per segment: the persistent verify loops over every entry of longer segments."""
+    b = make_batch(100 + k, **LARGE[k])  # type: ignore[arg-type]
+    assert_brackets_equal(run_bracket(b, "cuda", max_segment_entries=1), run_bracket(b, "torch"), f"case {k}")
 
 
 # Long writes whose tiles must take their carry from earlier tiles: one long segment, segments crossing tiles with

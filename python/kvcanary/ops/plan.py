@@ -31,7 +31,8 @@ def check_plan_buffers(plan: object, status: object, device: torch.device) -> tu
     return p, s
 
 
-def _check_scalar(v: object, name: str, lo: int) -> int:
+def check_scalar(v: object, name: str, lo: int) -> int:
+    """``v`` when it is an int (not a bool) >= ``lo``, else CanaryInputError."""
     if isinstance(v, bool) or not isinstance(v, int):
         raise CanaryInputError(f"{name} must be an int, got {type(v).__name__}")
     if v < lo:
@@ -41,7 +42,7 @@ def _check_scalar(v: object, name: str, lo: int) -> int:
 
 def check_table_page(table: torch.Tensor, table_page: int) -> int:
     """``table_page`` (slots per slot-table entry) as an int >= 1 whose logical row length stays in range."""
-    page = _check_scalar(table_page, "table_page", 1)
+    page = check_scalar(table_page, "table_page", 1)
     if table.shape[1] > _MAX_TABLE_POSITIONS // page:
         raise CanaryInputError(f"slot table of {table.shape[1]} entries x table_page {page} exceeds the position range")
     return page
@@ -89,9 +90,9 @@ def bind_plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices
                                                          shape=(bs,))
     en = None if expect_new is None else check_tensor(expect_new, "expect_new", ndim=1, device=device, shape=(bs,))
     fm = None if flag_mask is None else check_tensor(flag_mask, "flag_mask", ndim=1, device=device, shape=(bs,))
-    num_tokens = _check_scalar(num_tokens, "num_tokens", 0)
-    window = _check_scalar(window, "window", 0)
-    padding_row = _check_scalar(padding_row, "padding_row", -1)
+    num_tokens = check_scalar(num_tokens, "num_tokens", 0)
+    window = check_scalar(window, "window", 0)
+    padding_row = check_scalar(padding_row, "padding_row", -1)
     table_page = check_table_page(table, table_page)
     rp, rs, rl = _check_reuse(reuse, p, s, device, bs)
     b = check_backend(backend, device)
@@ -172,10 +173,10 @@ def plan_roll(plan: torch.Tensor, status: torch.Tensor, chain_out: torch.Tensor,
     un = None if unlocked is None else check_tensor(unlocked, "unlocked", ndim=1, device=device, shape=(n,))
     co = check_tensor(chain_out, "chain_out", ndim=1, device=device)
     iv = check_tensor(inv, "inv", ndim=1, device=device)
-    m = _check_scalar(num_slot_ids, "num_slot_ids", 1)
+    m = check_scalar(num_slot_ids, "num_slot_ids", 1)
     if iv.shape[0] < m:
         raise CanaryInputError(f"inv has {iv.shape[0]} entries, needs num_slot_ids = {m}")
-    cursor = _check_scalar(cursor, "cursor", 0)
+    cursor = check_scalar(cursor, "cursor", 0)
     if cursor >= m:
         raise CanaryInputError(f"cursor must be < num_slot_ids = {m}, got {cursor}")
     p, s = check_plan_buffers(plan, status, device)

@@ -22,7 +22,7 @@ from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
 from kvcanary.ops.bound import BoundOp
 from kvcanary.ops.fingerprint import check_fingerprint, fingerprint_torch
-from kvcanary.ops.plan import check_plan_buffers, check_table_page, empty_i64
+from kvcanary.ops.plan import check_plan_buffers, check_scalar, check_table_page, empty_i64
 from kvcanary.ops.shared import (
     EVICTED,
     INPUT_ERROR,
@@ -46,20 +46,22 @@ from kvcanary.ops.types import (
 
 def verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
            sink: Sink, *, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
-           table_page: int = 1, backend: str = "torch") -> None:
+           table_page: int = 1, max_segment_entries: int = 0, backend: str = "torch") -> None:
     """Verify every planned prefix entry of one stage and group, both halves, into ``sink``.
 
     ``table`` is the int32/int64 slot table ``[R, L]`` the plan was made from (a sweep's flat slots viewed as
     ``[1, N]``), or with ``table_page`` > 1 a block table (see :func:`kvcanary.ops.plan.plan_forward`). HEAD stages
-    take no fingerprint. Bad values inside tensors are counted as INPUT_ERROR rows.
+    take no fingerprint. Bad values inside tensors are counted as INPUT_ERROR rows. ``max_segment_entries`` > 0 is
+    the caller's bound on any segment's entries (a plan of window ``W``: ``W``), which the CUDA backend sizes its grid
+    from; it changes no result (a longer segment is still verified whole).
     """
     bind_verify(group, stage, plan, status, table, sink, token_pool=token_pool, fingerprint=fingerprint,
-                table_page=table_page, backend=backend)(table)
+                table_page=table_page, max_segment_entries=max_segment_entries, backend=backend)(table)
 
 
 def bind_verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
                 sink: Sink, *, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
-                table_page: int = 1, backend: str = "torch") -> BoundOp:
+                table_page: int = 1, max_segment_entries: int = 0, backend: str = "torch") -> BoundOp:
     """:func:`verify`'s arguments checked once: a call taking the slot table (see :class:`BoundOp`)."""
     if not isinstance(group, GroupView):
         raise CanaryInputError(f"group must be a GroupView, got {type(group).__name__}")
@@ -77,6 +79,7 @@ def bind_verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torc
             raise CanaryInputError(f"token_pool must be a TokenPool, got {type(token_pool).__name__}")
         check_tensor(token_pool.tokens, "token pool", ndim=2, device=device)
     check_fingerprint(fingerprint, group, stage)
+    check_scalar(max_segment_entries, "max_segment_entries", 0)
     tags = group.tags(stage)
     share = fingerprint.share if fingerprint is not None and stage == Stage.TAIL else 1  # sweeps check every entry
     b = check_backend(backend, device)
@@ -91,7 +94,7 @@ def bind_verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torc
         int(token_pool is not None), 0 if token_pool is None else token_pool.offset,
         e if fingerprint is None else fingerprint.sources.table,
         int(FingerprintMode.NONE) if fingerprint is None else int(fingerprint.mode),
-        1 if fingerprint is None else fingerprint.layer_stride, page, share), native=True)
+        1 if fingerprint is None else fingerprint.layer_stride, page, share, max_segment_entries), native=True)
 
 
 # ---- torch reference -------------------------------------------------------------------------------------------
