@@ -11,6 +11,9 @@ namespace cuda {
 namespace {
 
 constexpr int kPlanThreads = 512;
+// Batches of at most this many requests plan with a block of this width: a block scan's barriers and per-warp sums
+// grow with the warps, and a decode step is a chain of such scans.
+constexpr int kSmallPlanThreads = 64;
 
 struct PlanForwardArgs {
   int64_t* plan;
@@ -36,12 +39,13 @@ struct PlanForwardLaunch {
   PlanForwardArgs args[2];
 };
 
-__global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwardLaunch launch) {
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) plan_forward_kernel(PlanForwardLaunch launch) {
   await_prior_kernels();
-  __shared__ BlockSumScratch<kPlanThreads, kLanes> scratch;
+  __shared__ BlockSumScratch<kThreads, kLanes> scratch;
   const PlanForwardArgs& a = launch.args[blockIdx.x];
   int64_t carry[kLanes] = {0, 0, 0, 0, 0, 0};
-  for (int64_t base = 0; base < a.bs; base += kPlanThreads) {
+  for (int64_t base = 0; base < a.bs; base += kThreads) {
     const int64_t i = base + threadIdx.x;
     const bool in = i < a.bs;
     const int64_t row = in ? a.req_pool_indices[i] : 0;
@@ -62,7 +66,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwa
     int64_t v[kLanes] = {in ? plan_token_term(ext, a.num_tokens) : 0, 0, 0, 0, 0, 0};
     int64_t total[kLanes];
     // First pass: the running token offset gives each request its write begin and so its outcome.
-    block_exclusive_sum<kPlanThreads, kLanes>(v, total, scratch);
+    block_exclusive_sum<kThreads, kLanes>(v, total, scratch);
     const int64_t wb = plan_token_cap(carry[kTok] + v[kTok], a.num_tokens);
     const PlanOutcome out = in ? plan_forward_classify(row, pre, ext, wb, a.table.rows, a.table.cols, a.num_tokens,
                                                        a.padding_row)
@@ -75,7 +79,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_forward_kernel(PlanForwa
                          (out == PlanOutcome::kInputError || out == PlanOutcome::kOverflow) ? 1 : 0,
                          out == PlanOutcome::kOverflow ? 1 : 0};
     int64_t wtotal[kLanes];
-    block_exclusive_sum<kPlanThreads, kLanes>(w, wtotal, scratch);
+    block_exclusive_sum<kThreads, kLanes>(w, wtotal, scratch);
     const int64_t mask = (seg || pad_seg) && a.flag_mask != nullptr ? a.flag_mask[i] : kKeepAllFlags;
     if (seg) {
       const int64_t s = carry[kSeg] + w[kSeg];
@@ -223,7 +227,9 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
     r.flag_mask = nullptr;
     r.window = 0;
   }
-  launch_kernel(plan_forward_kernel, has_reuse ? 2 : 1, kPlanThreads, stream_of(dev), dev.device_id, launch);
+  const bool small = bs <= kSmallPlanThreads;
+  launch_kernel(small ? plan_forward_kernel<kSmallPlanThreads> : plan_forward_kernel<kPlanThreads>, has_reuse ? 2 : 1,
+                small ? kSmallPlanThreads : kPlanThreads, stream_of(dev), dev.device_id, launch);
 }
 
 void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView starts, TensorView lens,
