@@ -11,9 +11,6 @@ namespace cuda {
 namespace {
 
 constexpr int kPlanThreads = 512;
-// Batches of at most this many requests plan with a block of this width: a block scan's barriers and per-warp sums
-// grow with the warps, and a decode step is a chain of such scans.
-constexpr int kSmallPlanThreads = 64;
 
 struct PlanForwardArgs {
   int64_t* plan;
@@ -227,9 +224,20 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
     r.flag_mask = nullptr;
     r.window = 0;
   }
-  const bool small = bs <= kSmallPlanThreads;
-  launch_kernel(small ? plan_forward_kernel<kSmallPlanThreads> : plan_forward_kernel<kPlanThreads>, has_reuse ? 2 : 1,
-                small ? kSmallPlanThreads : kPlanThreads, stream_of(dev), dev.device_id, launch);
+  // The narrowest block that holds the batch (up to kPlanThreads): a block scan's barriers and per-warp sums grow with
+  // its warps, and the plan is two such scans on a decode step's critical path.
+  const auto go = [&](auto kernel, int threads) {
+    launch_kernel(kernel, has_reuse ? 2 : 1, threads, stream_of(dev), dev.device_id, launch);
+  };
+  if (bs <= 64) {
+    go(plan_forward_kernel<64>, 64);
+  } else if (bs <= 128) {
+    go(plan_forward_kernel<128>, 128);
+  } else if (bs <= 256) {
+    go(plan_forward_kernel<256>, 256);
+  } else {
+    go(plan_forward_kernel<kPlanThreads>, kPlanThreads);
+  }
 }
 
 void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView starts, TensorView lens,
