@@ -532,7 +532,9 @@ def write_chunk_vs_serial(mod: Any, fl: Floors, samples: int) -> dict[str, Any]:
 
 def breakdown(samples: int = 20, only: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
     """Per-kernel GPU µs per forward (torch.profiler over graph replays) for a few scenarios (``only``: those whose
-    name has one of these substrings)."""
+    name has one of these substrings). Kernels are programmatic dependent launches: a kernel's time includes its wait
+    for the previous one, so the rows overlap and may sum to more than the graph's time (the first kernel's is its
+    own)."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     out: dict[str, dict[str, float]] = {}
