@@ -9,27 +9,16 @@
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+source gpu/ab_common.sh
+BENCH="python3 -m bench.bench_runtime --device cuda --backends cuda --iters 300 --config default --engine-steps 100"
+one_run() { timeout 150 $BENCH ${BENCH_ARGS:-} --out "$OUT/runtime_$1.json" | tail -12; }
 {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/siteA \
-    .ab/wheelA/*.whl || exit 1
-  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCANARY_CACHE_DIR=/tmp/kvcanary-jit
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
-  BENCH="python3 -m bench.bench_runtime --device cuda --backends cuda --iters 300 --config default --engine-steps 100 ${BENCH_ARGS:-}"
-  for run in 1 2; do
-    for side in A B; do
-      echo "=== bench_runtime $side$run $(date -u +%T)"
-      site=/tmp/site
-      [ $side = A ] && site=/tmp/siteA:/tmp/site
-      PYTHONPATH=$site:$PWD timeout 150 $BENCH --out "$OUT/runtime_$side$run.json" | tail -12
-    done
-  done
+  ab_install || exit 1
+  ab_runs bench_runtime one_run
   if [ "${1:-}" = tests ]; then
     echo "=== gpu tests (B) $(date -u +%T)"
     PYTHONPATH=/tmp/site:$PWD timeout 260 python3 -m pytest -q -m gpu tests --ignore=tests/disagg -p no:cacheprovider \
       --tb=short --maxfail=20 --junitxml="$OUT/junit.xml" -o junit_family=xunit2 2>&1 | tail -25
   fi
-  echo "=== JIT builds during the run: $(find /tmp/kvcanary-jit -name '*.so' 2>/dev/null | wc -l) (0 expected)"
-  echo "=== done $(date -u +%T)"
+  ab_done
 } 2>&1 | tee "$OUT/ab_log.txt"

@@ -7,23 +7,15 @@
 set -o pipefail
 OUT=${OUT:-/tmp/out}/kernel_ab
 mkdir -p "$OUT"
+source gpu/ab_common.sh
+one_run() {
+  timeout 150 python3 -m bench.bench_gpu --quick --samples 20 --out "/tmp/kab_$1" | grep -E "^\| (decode|extend|swa)" \
+    | cut -d'|' -f2-4
+  local f
+  for f in /tmp/kab_$1/*.json /tmp/kab_$1/*.md; do cp "$f" "$OUT/gpu_$1.${f##*.}"; done
+}
 {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/siteA \
-    .ab/wheelA/*.whl || exit 1
-  export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVCANARY_CACHE_DIR=/tmp/kvcanary-jit
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
-  for run in 1 2; do
-    for side in A B; do
-      echo "=== bench_gpu $side$run $(date -u +%T)"
-      site=/tmp/site
-      [ $side = A ] && site=/tmp/siteA:/tmp/site
-      PYTHONPATH=$site:$PWD timeout 150 python3 -m bench.bench_gpu --quick --samples 20 --out "/tmp/kab_$side$run" \
-        | grep -E "^\| (decode|extend|swa)" | cut -d'|' -f2-4
-      for f in /tmp/kab_$side$run/*.json /tmp/kab_$side$run/*.md; do cp "$f" "$OUT/gpu_$side$run.${f##*.}"; done
-    done
-  done
-  echo "=== JIT builds during the run: $(find /tmp/kvcanary-jit -name '*.so' 2>/dev/null | wc -l) (0 expected)"
-  echo "=== done $(date -u +%T)"
+  ab_install || exit 1
+  ab_runs bench_gpu one_run
+  ab_done
 } 2>&1 | tee "$OUT/ab_log.txt"
