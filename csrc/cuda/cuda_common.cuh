@@ -24,17 +24,21 @@ namespace cuda {
 constexpr int kWarp = 32;
 constexpr int kMaxDevices = 64;
 
-// Multiprocessor count of a device, read once per device and cached (host only, no stream work: capture-safe).
-inline int sm_count(int device_id) {
+// A device attribute that is never 0 (a count, a compute capability), read once per device and cached (host only, no
+// stream work: capture-safe).
+template <cudaDeviceAttr kAttr>
+inline int device_attribute(int device_id) {
   static std::array<std::atomic<int>, kMaxDevices> cache{};
   TVM_FFI_ICHECK(device_id >= 0 && device_id < kMaxDevices) << "device id " << device_id;
   int v = cache[device_id].load(std::memory_order_relaxed);
   if (v == 0) {
-    TVM_FFI_CHECK_CUDA_ERROR(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device_id));
+    TVM_FFI_CHECK_CUDA_ERROR(cudaDeviceGetAttribute(&v, kAttr, device_id));
     cache[device_id].store(v, std::memory_order_relaxed);
   }
   return v;
 }
+
+inline int sm_count(int device_id) { return device_attribute<cudaDevAttrMultiProcessorCount>(device_id); }
 
 // Resident blocks per SM of a kernel at a block size, computed once per (kernel, device) by the caller's static.
 template <typename Kernel>
@@ -57,16 +61,7 @@ inline cudaStream_t stream_of(DLDevice dev) {
 // previous kernel of its stream still runs (that kernel lets it, see await_prior_kernels), so its launch latency hides
 // behind that kernel's tail; a captured graph keeps this as a programmatic edge. Earlier devices: plain stream order.
 inline bool dependent_launch_ok(int device_id) {
-  static std::array<std::atomic<int>, kMaxDevices> cache{};  // 0 unknown, 1 no, 2 yes
-  TVM_FFI_ICHECK(device_id >= 0 && device_id < kMaxDevices) << "device id " << device_id;
-  int v = cache[device_id].load(std::memory_order_relaxed);
-  if (v == 0) {
-    int major = 0;
-    TVM_FFI_CHECK_CUDA_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_id));
-    v = major >= 9 ? 2 : 1;
-    cache[device_id].store(v, std::memory_order_relaxed);
-  }
-  return v == 2;
+  return device_attribute<cudaDevAttrComputeCapabilityMajor>(device_id) >= 9;
 }
 
 // Launch `kernel` (whose first statement must be await_prior_kernels()) on `stream` as a programmatic dependent launch

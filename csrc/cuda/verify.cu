@@ -316,8 +316,10 @@ void verify(TensorView records, TensorView swa_map, int64_t has_swa_map, int64_t
                        resident_blocks(kernel, kVerifyThreads, dev.device_id,
                                        g_verify_occupancy[halves - 1][all ? 1 : 0]);
   // entries per segment: at most a table row, or the caller's bound (a plan of window W: W entries per request)
-  const int64_t cols = a.max_segment_entries > 0 ? std::min(a.P.table.cols, a.max_segment_entries) : a.P.table.cols;
-  const int64_t most = cols > 0 && plan.size(0) > (int64_t{1} << 40) / cols ? (int64_t{1} << 40) : plan.size(0) * cols;
+  const int64_t per_seg =
+      a.max_segment_entries > 0 ? std::min(a.P.table.cols, a.max_segment_entries) : a.P.table.cols;
+  const int64_t most =
+      per_seg > 0 && plan.size(0) > (int64_t{1} << 40) / per_seg ? (int64_t{1} << 40) : plan.size(0) * per_seg;
   const int64_t per_block_max = all ? 1 : kVerifyThreads;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(full, ceil_div(most, per_block_max))));
   launch_kernel(kernel, grid, kVerifyThreads, stream_of(dev), dev.device_id, L);

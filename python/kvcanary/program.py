@@ -159,6 +159,8 @@ class DeviceProgram:
         rows = max(bs, 1)  # plans sized to the batch (a request plans at most one segment): the CUDA verify's grid
         # comes from the plan's rows times the entries a segment may hold
         fwd_plan = g.plan[:rows]
+        # the forward plan's window (WINDOW coverage: the newest links; an SWA group: its window; else 0, every link)
+        window = g.window if g.stripe_plan is None else cfg.window_links
 
         def plan(p: torch.Tensor, s: torch.Tensor, pre: torch.Tensor, ext: torch.Tensor, window: int,
                  truth: bool = False, reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Op:
@@ -186,7 +188,6 @@ class DeviceProgram:
                               fingerprint=g.fingerprint if stage == Stage.TAIL else g.seal, table_page=page,
                               workspace=g.write_workspaces[stage == Stage.TAIL], backend=b).frozen()
 
-        window = g.window if g.stripe_plan is None else cfg.window_links
         ops: dict[str, list[Op]] = {
             "plan": [plan(fwd_plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain)],
             "reuse_verify": [], "seal": [write(Stage.HEAD)] if g.seal is not None else [],
