@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.multiprocessing as mp
 from kvcanary.disagg.engines import Workload, model_config
-from kvcanary.disagg.launcher import LaunchConfig, launch
+from kvcanary.disagg.launcher import LaunchConfig, launch, stacks_of_hung, stacks_on_signal
 from kvcanary.disagg.transport import FaultName, FaultSpec
 from kvcanary_schema import RECORD_BYTES
 
@@ -195,3 +201,20 @@ def test_silent_peer_times_out() -> None:
     assert r["seconds"]["decode"] < 2.0 + 1.0 + r["seconds"]["prefill"]
     assert r["ok"] == [] and set(r["failed"]) == {f"req{i}" for i in range(REQUESTS)}
     assert r["exitcodes"] == {"prefill": 0, "decode": 0} and r["wall_s"] < r["bound_s"]
+
+
+def _blocked_role(path: str) -> None:
+    stacks_on_signal(path)
+    threading.Event().wait()  # blocks for good, as a role stuck on a dead peer would
+
+
+def test_a_hung_role_is_killed_with_its_stacks(tmp_path: Path) -> None:
+    path = str(tmp_path / "role.stacks")
+    p = mp.get_context("spawn").Process(target=_blocked_role, args=(path,), daemon=True)
+    p.start()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:  # registered (the spawn imports first)
+        time.sleep(0.05)
+    stacks = stacks_of_hung(p, path)
+    assert not p.is_alive() and p.exitcode == -signal.SIGKILL
+    assert "in _blocked_role" in stacks and "in wait" in stacks

@@ -47,6 +47,7 @@ def test_dead_peers_over_nccl() -> None:
     assert r["errors"]["prefill"]["type"] == "PeerLostError" and r["exitcodes"]["decode"] == 3
     # the payload receive is pending on NCCL, which never notices a dead peer: the control reader does, at once
     r = run("full", FaultName.KILL_PREFILL, timeout_s=30.0, idle_timeout_s=30.0)
+    assert r["exitcodes"]["decode"] != "hung", r["hang_stacks"]["decode"]  # where it hung (launcher.stacks_of_hung)
     assert r["errors"]["decode"]["type"] == "PeerLostError"
     assert r["errors"]["decode"]["message"] == "decode: receive the payload of req1: prefill is gone"
     assert r["seconds"]["decode"] < 30.0 and r["exitcodes"] == {"prefill": 3, "decode": 0} and r["ok"] == ["req0"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import select
+import signal
 import socket
 import sys
 import tempfile
@@ -35,6 +37,7 @@ PREFILL_RANK, DECODE_RANK = 0, 1
 ROLES = ("prefill", "decode")
 TEARDOWN_HUNG = 4  # exit code of a role whose clean process-group teardown did not finish in time
 LAUNCHER_GONE = 5  # exit code of a role whose launcher died
+DUMP_STACKS = signal.SIGUSR1  # the launcher asks a hung role for every thread's Python stack before killing it
 
 
 @dataclass(frozen=True)
@@ -113,9 +116,16 @@ def _end_with_launcher(pid: int) -> None:
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
+def stacks_on_signal(path: str) -> None:
+    """On DUMP_STACKS, write every thread's Python stack to ``path`` (faulthandler: from the signal handler, so also
+    while the main thread is blocked in native code; faulthandler keeps the file open)."""
+    faulthandler.register(DUMP_STACKS, file=open(path, "w"), all_threads=True)  # noqa: SIM115
+
+
 def _role_main(rank: int, cfg: LaunchConfig, port: int, out: str, launcher: int) -> None:
     """Entry point of one spawned role: run it and write its JSON report (an unexpected crash is reported too)."""
     _end_with_launcher(launcher)
+    stacks_on_signal(out + ".stacks")
     try:
         report, clean = _run_role(rank, cfg, port)
     except Exception as err:  # report any crash as the role's typed error instead of dying silently
@@ -213,6 +223,8 @@ def summarize(cfg: LaunchConfig, prefill: dict[str, Any], decode: dict[str, Any]
         "decode_violations": len(decode.get("violations", [])),
         "outputs_match_reference": (all(outs.get(rid) == ref.get(rid) for rid in ok) if ref else None),
         "errors": {"prefill": prefill.get("error"), "decode": decode.get("error")},
+        # a role killed at the bound: its threads' Python stacks when it was killed (where it hung)
+        "hang_stacks": {"prefill": prefill.get("hang_stacks"), "decode": decode.get("hang_stacks")},
         "exitcodes": {"prefill": prefill.get("exitcode"), "decode": decode.get("exitcode")},
         "transfers": int(prefill.get("transfers", 0)),
         "overhead": {"kv_bytes": kv, "canary_bytes": canary, "payload_bytes": int(prefill.get("payload_bytes", 0)),
@@ -228,6 +240,23 @@ def summarize(cfg: LaunchConfig, prefill: dict[str, Any], decode: dict[str, Any]
                    "layer_coverage": cfg.layer_coverage,
                    "workload": asdict(cfg.workload), "page_size": cfg.page_size},
     }
+
+
+def stacks_of_hung(p: Any, path: str, wait_s: float = 5.0) -> str:
+    """Kill a hung role after asking it for every thread's Python stack (faulthandler, even when its main thread is
+    blocked in native code); returns what it wrote (empty when it did not answer within ``wait_s``)."""
+    os.kill(p.pid, DUMP_STACKS)
+    deadline = time.monotonic() + wait_s
+    text = ""
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        new = Path(path).read_text() if os.path.exists(path) else ""
+        if new and new == text:  # two equal reads: the dump is complete
+            break
+        text = new
+    p.kill()
+    p.join()
+    return text
 
 
 def launch(cfg: LaunchConfig) -> dict[str, Any]:
@@ -254,10 +283,8 @@ def launch(cfg: LaunchConfig) -> dict[str, Any]:
         wall = time.monotonic() - t0
         for rank, p in enumerate(procs):
             hung = p.is_alive()
-            if hung:
-                p.kill()
-                p.join()
+            stacks = stacks_of_hung(p, paths[rank] + ".stacks") if hung else None
             rep: dict[str, Any] = json.loads(Path(paths[rank]).read_text()) if os.path.exists(paths[rank]) else {}
-            rep.update(exitcode="hung" if hung else p.exitcode, pid=p.pid, wall_s=round(wall, 3))
+            rep.update(exitcode="hung" if hung else p.exitcode, pid=p.pid, wall_s=round(wall, 3), hang_stacks=stacks)
             reports.append(rep)
     return summarize(cfg, reports[PREFILL_RANK], reports[DECODE_RANK])

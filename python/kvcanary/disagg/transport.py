@@ -170,7 +170,8 @@ class Channel:
     the next OFFER, a GRANT). Control waits time out on the inbox, never inside gloo, so a timeout leaves the
     control group usable for the ABORT that follows. Payload waits on CUDA poll the NCCL work (NCCL has no
     per-operation timeout and never notices a dead peer) and the control reader together; nothing is made to wait
-    on a payload that has not completed, so a lost peer cannot block a later stream sync or teardown.
+    on a payload that has not completed, and one given up on has its communicator aborted (its kernel would block
+    every later kernel load on the GPU), so a lost peer cannot block later work, a stream sync or teardown.
     Errors read ``"<role>: <step>: <cause>"``; transport text goes to ``detail``.
     """
 
@@ -318,14 +319,29 @@ class Channel:
         deadline = time.monotonic() + self.timeout_s
         while not work.is_completed():  # an event query; NCCL itself would wait forever for a dead peer
             if self.end is not None and self.end.kind in ("lost", "abort", "protocol"):
+                self._abandon_data()
                 raise self._end_error(step)
             if time.monotonic() > deadline:
+                self._abandon_data()
                 raise self.error(TransferTimeoutError, step, f"not complete within {self.timeout_s:g} s")
             self._ended.wait(POLL_S)
         try:
             work.wait()  # complete: only orders the current stream after the transfer
         except RuntimeError as err:  # completed with an error (e.g. the watchdog aborted the communicator)
             raise self._typed(err, step) from err
+
+    def _abandon_data(self) -> None:
+        """Abort the data group's NCCL communicator under a payload that will never complete.
+
+        Its kernel would spin on this GPU for good, and with CUDA's lazy module loading (the default) the first launch
+        of any kernel not yet loaded in this process synchronizes the context, so it would wait on that kernel
+        forever: the role hung at its next new kernel (the canary's slot invalidation, the reference run's first
+        matmul; 2x H100, 2026-11-26). The abort ends the kernel; the data group is unusable afterwards, the control
+        group (gloo) is untouched. Bounded: an abort that does not return within ``timeout_s`` is left behind.
+        """
+        aborter = threading.Thread(target=self.data.abort, name=f"{self.role}-data-abort", daemon=True)
+        aborter.start()
+        aborter.join(self.timeout_s)
 
     def send_payload(self, buf: torch.Tensor, step: str = "send the payload") -> None:
         """Send a payload whose size the peer learned from the OFFER."""
