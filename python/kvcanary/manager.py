@@ -141,17 +141,18 @@ class CanaryManager:
             wants = (self._sweep_due(step) or self._rolling) and self.perturber.wants_export()
             self.perturber.before_forward(batch, step, self._export() if wants else None)
         capture = kind == ForwardKind.CAPTURE
+        shape = self.program.bound_shape(bs, nt)
         self.upload.upload(batch, step, capture)
-        self.upload.copy_batch(batch)
+        self.upload.copy_batch(batch, shape)
         self._table = table
         if capture:
             self._captured.add(key)
-            self.program.pinned.add((bs, nt))
+            self.program.pinned.add(shape)
         else:
             offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
             self.reporter.step_batches[step] = StepBatch(tuple(batch.request_ids), offset)
         if kind != ForwardKind.REPLAY:
-            stages = self.program.stages((bs, nt), table)
+            stages = self.program.stages(shape, table)
             # eager: the reuse check only when a request is new; captured graphs always hold it (a replay may carry
             # a new request, e.g. disaggregated decode)
             self._reuse = capture or (self.upload.any_new and self.program.has_reuse)

@@ -1,4 +1,5 @@
-"""The per-forward device program: every op of pre_forward / post_forward bound once per batch shape (bs, tokens)."""
+"""The per-forward device program: every op of pre_forward / post_forward bound once per bound shape (batch size and
+new tokens, each rounded up to a power of two)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ from kvcanary.state import CanaryState, GroupState
 
 Op = Callable[[torch.Tensor], None]  # one step of a stage: takes the forward's slot table
 Shape = tuple[int, int]  # (batch size, new tokens)
+
+
+def bucket(n: int, capacity: int) -> int:
+    """``n`` rounded up to a power of two, at most ``capacity`` (and never below ``n``; 0 stays 0)."""
+    return max(n, min(1 << (n - 1).bit_length(), capacity)) if n > 1 else n
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,14 @@ class DeviceProgram:
         device = state.sink.count.device
         # post_graph's branch (the seal beside the TAIL ops in a captured graph)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+
+    def bound_shape(self, bs: int, nt: int) -> Shape:
+        """The shape a (bs, nt) batch runs at: each rounded up to a power of two within the capacities, so that an
+        engine whose batches vary every forward binds a handful of shapes instead of one per batch. The rows and
+        tokens past the batch are padding (``Upload.copy_batch``): a padding row plans nothing, a token at
+        out_cache_loc -1 is never written, so the ops' results are those of the batch itself."""
+        cfg = self.config
+        return bucket(bs, cfg.req_capacity), bucket(nt, cfg.token_capacity)
 
     def stages(self, shape: Shape, table: torch.Tensor) -> Stages:
         """The bound ops of ``shape`` (bound now on a miss, with ``table`` standing for the forward's tables)."""

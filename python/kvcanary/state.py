@@ -92,8 +92,10 @@ class CanaryState:
         self.phase = self.arena[1:3]
         # a running max of plan status over the reporting window (input errors, overflow)
         self.window_status = self.arena[o + 1:o + 1 + n_ws].view(len(self.groups), NUM_PLAN_STATUS_COLS)
-        # static batch buffers: the bracket's device parts read only these
-        self.req_pool_indices = _i64(rc, device=d)
+        # static batch buffers: the bracket's device parts read only these. Ops are bound at shapes past the batch
+        # (DeviceProgram.bound_shape): rows past it are padding rows and tokens past it are never written
+        # (Upload.copy_batch keeps that so), which is how they start
+        self.req_pool_indices = torch.full((rc,), pool.padding_row, dtype=torch.int64, device=d)
         self.prefix_lens = _i64(rc, device=d)
         self.extend_lens = _i64(rc, device=d)
         # host-computed per-request rows, uploaded in one copy: expect_prefix, expect_new, flag mask, stripe end,
@@ -103,7 +105,7 @@ class CanaryState:
         self.flag_mask.fill_(-1)  # per request: PlanFlag bits kept
         self.input_ids = _i64(tc, device=d)
         self.positions = _i64(tc, device=d)
-        self.out_cache_loc = _i64(tc, device=d)
+        self.out_cache_loc = torch.full((tc,), -1, dtype=torch.int64, device=d)
         # WINDOW policy scratch
         self.arange = torch.arange(rc, dtype=torch.int64, device=d)
         self.zeros = _i64(rc, device=d)

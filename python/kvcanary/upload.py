@@ -67,13 +67,27 @@ class Upload:
         # host time than the copy; synchronizing one never recorded returns at once)
         self._copied = [torch.cuda.Event() for _ in range(2)] if state.device.type == "cuda" else []  # type: ignore[no-untyped-call]
         self._views: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = {}
+        # (rows, tokens) of the static batch buffers that may hold a batch's values; everything past them is padding
+        # (CanaryState allocates them so)
+        self._dirty = (0, 0)
         self.any_new = True
 
-    def copy_batch(self, batch: BatchView) -> None:
-        """The batch tensors into the static buffers (one foreach copy)."""
-        dst, _, _ = self._slices(batch.batch_size, batch.num_tokens)
+    def copy_batch(self, batch: BatchView, shape: tuple[int, int]) -> None:
+        """The batch tensors into the static buffers (one foreach copy), padded to the bound ``shape``: rows up to
+        ``shape[0]`` are padding rows (the pool's padding row, no new tokens), tokens up to ``shape[1]`` have
+        out_cache_loc -1. Only what an earlier, larger batch left there is reset (a steady batch resets nothing)."""
+        bs, nt = batch.batch_size, batch.num_tokens
+        dst, _, _ = self._slices(bs, nt)
         torch._foreach_copy_(dst, [batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids,
                                    batch.positions, batch.out_cache_loc], non_blocking=True)
+        st, (rows, tokens) = self.state, self._dirty
+        if rows > bs and shape[0] > bs:
+            st.req_pool_indices[bs:min(rows, shape[0])].fill_(self.pool.padding_row)
+            st.extend_lens[bs:min(rows, shape[0])].zero_()
+        if tokens > nt and shape[1] > nt:
+            st.out_cache_loc[nt:min(tokens, shape[1])].fill_(-1)
+        # past a bound shape, what the earlier batch left stays (reset once a later shape reaches it)
+        self._dirty = (bs if rows <= shape[0] else rows, nt if tokens <= shape[1] else tokens)
 
     def _slices(self, bs: int, nt: int) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
         """The static buffers' views of one batch shape (batch tensors, truth rows, host staging rows), cached."""

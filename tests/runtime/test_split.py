@@ -14,7 +14,7 @@ from kvcanary.stripes import Stripes
 from kvcanary_schema import CounterCol, Group, Half, LaunchTag, PlanCol, PlanFlag, PlanStatusCol, RecordField, Stage
 
 from .fake_engine import FakeEngine
-from .helpers import setup
+from .helpers import run, setup, total
 
 TAIL_K = int(LaunchTag.of(Stage.TAIL, Half.K, Group.FULL))
 
@@ -58,6 +58,40 @@ def test_program_caches_shapes_and_pins_captured_ones() -> None:
     m.program.stages((3, 3), table)
     assert m.program.stages((2, 2), table) is first  # pinned: never evicted
     assert len(m.program._cache) == 2
+
+
+def _decode(eng: FakeEngine, m: CanaryManager, rids: list[str]) -> int:
+    """One decode forward of ``rids``; the TAIL K records it wrote."""
+    before = int(m.state.sink.counters[TAIL_K, CounterCol.ENTRIES_WRITTEN])
+    b = eng.batch(rids=rids)
+    m.begin_forward(b)
+    m.pre_forward()
+    eng.forward(b)
+    m.post_forward()
+    m.end_forward()
+    return int(m.state.sink.counters[TAIL_K, CounterCol.ENTRIES_WRITTEN]) - before
+
+
+def test_a_smaller_batch_of_the_same_bound_shape_leaves_no_stale_row() -> None:
+    eng, m = setup(n_reqs=4, report_interval=1)
+    rids = list(eng.reqs)
+    assert _decode(eng, m, rids) == 20 and _decode(eng, m, rids) == 4  # prefill, decode: bound shapes (4, 32), (4, 4)
+    assert _decode(eng, m, rids[:3]) == 3  # bound (4, 4) again: the last request's row and token are padding now
+    st = m.state
+    assert int(st.groups[0].status[PlanStatusCol.NUM_SEGMENTS]) == 3
+    assert st.req_pool_indices[3] == eng.padding_row and st.extend_lens[3] == 0 and st.out_cache_loc[3] == -1
+    assert _decode(eng, m, rids[:1]) == 1 and m.program.bound_shape(1, 1) == (1, 1)
+    assert total(run(eng, m, 2)) == 0 and not m.health.problems
+
+
+def test_varying_batches_bind_a_shape_per_power_of_two() -> None:
+    eng, m = setup(n_reqs=6)
+    _decode(eng, m, list(eng.reqs))  # prefill
+    sizes = [1, 2, 3, 4, 5, 6, 5, 3, 6, 1]
+    written = [_decode(eng, m, list(eng.reqs)[:n]) for n in sizes]
+    assert written == sizes
+    assert set(m.program._cache) == {(8, 32), (1, 1), (2, 2), (4, 4), (8, 8)}
+    assert total(run(eng, m, 1)) == 0 and not m.health.problems
 
 
 def test_reuse_check_runs_only_when_a_request_is_new() -> None:
