@@ -4,8 +4,11 @@ targets (#13), plus allocations and syncs of the device parts and the reference 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import platform
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -19,6 +22,21 @@ from kvcanary.manager import CanaryManager, install
 from kvcanary.ops.types import SourceSpec
 from kvcanary_schema import Group
 from torch.utils._python_dispatch import TorchDispatchMode
+
+# --profile: the profiler switched on around the host parts (begin_forward, end_forward) of the timed forwards
+PROFILER: cProfile.Profile | None = None
+
+
+def _host(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, profiled when --profile is on."""
+    if PROFILER is None:
+        return fn(*args, **kwargs)
+    PROFILER.enable()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        PROFILER.disable()
+
 
 _SYNC = ("_local_scalar_dense", "item", "nonzero", "_to_copy")
 _VIEWS = {"slice", "select", "view", "as_strided", "alias", "narrow", "expand", "unsqueeze", "squeeze", "t",
@@ -125,7 +143,7 @@ def bench_case(bs: int, prefix: int, backend: str, device: torch.device, iters: 
 
     def bracket(b: BatchView, timed: dict[str, list[float]] | None, counter: _OpCounter | None) -> None:
         t0 = time.perf_counter()
-        m.begin_forward(b)
+        _host(m.begin_forward, b) if timed is not None else m.begin_forward(b)
         t1 = time.perf_counter()
         if counter is not None:
             _sync(device)
@@ -139,7 +157,7 @@ def bench_case(bs: int, prefix: int, backend: str, device: torch.device, iters: 
             t2 = time.perf_counter()
             m.post_forward()
         t3 = time.perf_counter()
-        m.end_forward()
+        _host(m.end_forward) if timed is not None else m.end_forward()
         t4 = time.perf_counter()
         if timed is not None:
             timed["begin"].append(t1 - t0)
@@ -196,14 +214,14 @@ def bench_replay(bs: int, prefix: int, backend: str, device: torch.device, iters
         _sync(device)
         ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
         t0 = time.perf_counter()
-        m.begin_forward(b, kind="replay")
+        _host(m.begin_forward, b, kind="replay")
         t1 = time.perf_counter()
         ev[0].record()
         pre_g.replay()
         post_g.replay()
         ev[1].record()
         t2 = time.perf_counter()
-        m.end_forward()
+        _host(m.end_forward)
         t3 = time.perf_counter()
         begin.append(t1 - t0)
         end.append(t3 - t2)
@@ -263,7 +281,11 @@ def main() -> None:
     ap.add_argument("--req-capacity", type=int, default=0, help="requests the canary is installed for (0: the batch "
                     "size; an engine installs for its largest batch)")
     ap.add_argument("--out", default="")
+    ap.add_argument("--profile", default="", help="write a cProfile summary of begin_forward and end_forward over "
+                    "every timed forward to this file (the timings then include the profiler's own cost)")
     a = ap.parse_args()
+    global PROFILER
+    PROFILER = cProfile.Profile() if a.profile else None
     device = torch.device(a.device)
     configs = {"both": ["default", "minimal"], "all": ["default", "minimal", "per-forward"]}.get(a.config, [a.config])
     rows = []
@@ -291,6 +313,11 @@ def main() -> None:
            "rows": rows, "verdicts": lines}
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    if PROFILER is not None:
+        text = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(PROFILER, stream=text).sort_stats(key).print_stats(45)
+        Path(a.profile).write_text(f"{out['command']} --profile\n{text.getvalue()}")
 
 
 if __name__ == "__main__":
