@@ -13,8 +13,8 @@ from kvcanary import _native
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"),
                                 reason="needs nvcc")
 
-OPS = ("plan_forward", "plan_sweep", "plan_roll", "verify", "write", "fingerprint", "scatter_tokens", "make_sequence",
-       "bookkeep")
+OPS = ("plan_forward", "plan_sweep", "plan_roll", "verify", "write", "fingerprint", "scatter_tokens", "stage_batch",
+       "make_sequence", "bookkeep")
 
 
 def test_cuda_module_compiles_and_exports_every_op(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@
 
 #include "common.cuh"
 #include "resolve.cuh"
+#include "stage_batch.cuh"
 
 namespace kvcanary {
 
@@ -178,6 +179,59 @@ inline void check_scatter_args(DLDeviceType device, const TensorView& pool_token
   check_dim(starts, 0, rows.size(0), "starts");
   check_dim(counts, 0, rows.size(0), "counts");
   check_dim(status, 0, 1, "status");
+}
+
+// stage_batch (docs/ops-contract.md 8b): rows int64 [3, RC], truth int64 [U, RC], tokens int64 [3, TC] on `device`;
+// the six batch arrays int32/int64 1-D on their device ([bs] x 3, [nt] x 3); staging int64 [U, >= bs] in host memory;
+// bs <= pad_rows <= RC, nt <= pad_tokens <= TC. Returns the arguments (staging: its host address).
+inline StageArgs check_stage_args(DLDeviceType device, const TensorView (&src)[6], const TensorView& staging,
+                                  const TensorView& rows, const TensorView& truth, const TensorView& tokens,
+                                  int64_t pad_rows, int64_t pad_tokens, int64_t padding_row) {
+  static const char* const names[6] = {"req_pool_indices", "prefix_lens", "extend_lens",
+                                       "input_ids",        "positions",   "out_cache_loc"};
+  check_i64_tensor(rows, rows, 2, "rows", "rows");
+  check_device_type(rows, device, "rows");
+  check_dim(rows, 0, 3, "rows");
+  check_i64_tensor(truth, rows, 2, "truth", "rows");
+  check_dim(truth, 1, rows.size(1), "truth");
+  check_i64_tensor(tokens, rows, 2, "tokens", "rows");
+  check_dim(tokens, 0, 3, "tokens");
+  StageArgs a{};
+  for (int i = 0; i < 6; ++i) {
+    check_index_dtype(src[i], names[i]);
+    check_ndim(src[i], 1, names[i]);
+    check_contiguous(src[i], names[i]);
+    check_same_device(src[i], rows, names[i], "rows");
+    check_dim(src[i], 0, src[i < 3 ? 0 : 3].size(0), names[i]);
+    a.src[i] = src[i].data_ptr();
+    a.src_i32[i] = is_i32(src[i]);
+  }
+  a.bs = src[0].size(0);
+  a.nt = src[3].size(0);
+  check_i64(staging, "staging");
+  check_ndim(staging, 2, "staging");
+  check_contiguous(staging, "staging");
+  TVM_FFI_CHECK(staging.device().device_type == kDLCPU || staging.device().device_type == kDLCUDAHost, ValueError)
+      << "staging must be host memory";
+  check_dim(staging, 0, truth.size(0), "staging");
+  TVM_FFI_CHECK(staging.size(1) >= a.bs, ValueError)
+      << "staging has " << staging.size(1) << " columns, the batch has " << a.bs << " rows";
+  a.row_cap = rows.size(1);
+  a.token_cap = tokens.size(1);
+  TVM_FFI_CHECK(a.bs <= pad_rows && pad_rows <= a.row_cap, ValueError)
+      << "pad_rows must lie in [" << a.bs << ", " << a.row_cap << "], got " << pad_rows;
+  TVM_FFI_CHECK(a.nt <= pad_tokens && pad_tokens <= a.token_cap, ValueError)
+      << "pad_tokens must lie in [" << a.nt << ", " << a.token_cap << "], got " << pad_tokens;
+  a.staging = static_cast<const int64_t*>(staging.data_ptr());
+  a.staging_cols = staging.size(1);
+  a.rows = static_cast<int64_t*>(rows.data_ptr());
+  a.truth = static_cast<int64_t*>(truth.data_ptr());
+  a.tokens = static_cast<int64_t*>(tokens.data_ptr());
+  a.U = truth.size(0);
+  a.pad_rows = pad_rows;
+  a.pad_tokens = pad_tokens;
+  a.padding_row = padding_row;
+  return a;
 }
 
 }  // namespace kvcanary

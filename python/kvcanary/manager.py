@@ -143,7 +143,7 @@ class CanaryManager:
         capture = kind == ForwardKind.CAPTURE
         shape = self.program.bound_shape(bs, nt)
         self.upload.upload(batch, step, capture)
-        self.upload.copy_batch(batch, shape)
+        self.upload.stage(batch, shape)
         self._table = table
         if capture:
             self._captured.add(key)

@@ -146,7 +146,7 @@ class Reporter:
         j = self._alarm_busy.index(False)
         self._alarm_tags[j] = self.stagings
         self._alarm_slots[j].copy_(self.state.sink.count, non_blocking=True)
-        self._alarm_ready[j].record()
+        self._alarm_ready[j].record(torch.cuda.current_stream(self.state.device.index))  # no device lookup
         self._alarm_busy[j] = True
 
     def _copy_out(self, k: int) -> Any:

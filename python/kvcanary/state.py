@@ -92,20 +92,20 @@ class CanaryState:
         self.phase = self.arena[1:3]
         # a running max of plan status over the reporting window (input errors, overflow)
         self.window_status = self.arena[o + 1:o + 1 + n_ws].view(len(self.groups), NUM_PLAN_STATUS_COLS)
-        # static batch buffers: the bracket's device parts read only these. Ops are bound at shapes past the batch
-        # (DeviceProgram.bound_shape): rows past it are padding rows and tokens past it are never written
-        # (Upload.copy_batch keeps that so), which is how they start
-        self.req_pool_indices = torch.full((rc,), pool.padding_row, dtype=torch.int64, device=d)
-        self.prefix_lens = _i64(rc, device=d)
-        self.extend_lens = _i64(rc, device=d)
+        # static batch buffers, filled by one stage_batch per forward: the bracket's device parts read only these.
+        # Ops are bound at shapes past the batch (DeviceProgram.bound_shape): rows past it are padding rows and
+        # tokens past it are never written (Upload.stage keeps that so), which is how they start
+        self.batch_rows = _i64(3, rc, device=d)
+        self.batch_rows[0].fill_(pool.padding_row)
+        self.req_pool_indices, self.prefix_lens, self.extend_lens = self.batch_rows.unbind(0)
         # host-computed per-request rows, uploaded in one copy: expect_prefix, expect_new, flag mask, stripe end,
         # reuse end (the reused prefix a new request's first forward verifies against the seal; 0 = none)
         self.truth_rows = _i64(UPLOAD_ROWS, rc, device=d)
         self.expect_prefix, self.expect_new, self.flag_mask, self.stripe_end, self.reuse_end = self.truth_rows.unbind(0)
         self.flag_mask.fill_(-1)  # per request: PlanFlag bits kept
-        self.input_ids = _i64(tc, device=d)
-        self.positions = _i64(tc, device=d)
-        self.out_cache_loc = torch.full((tc,), -1, dtype=torch.int64, device=d)
+        self.batch_tokens = _i64(3, tc, device=d)
+        self.batch_tokens[2].fill_(-1)
+        self.input_ids, self.positions, self.out_cache_loc = self.batch_tokens.unbind(0)
         # WINDOW policy scratch
         self.arange = torch.arange(rc, dtype=torch.int64, device=d)
         self.zeros = _i64(rc, device=d)
@@ -181,7 +181,7 @@ class CanaryState:
         return total
 
     def _tensors(self) -> list[torch.Tensor]:
-        ts = [self.arena, self.truth_rows, self.sweep_plan, self.sweep_status]
+        ts = [self.arena, self.truth_rows, self.batch_rows, self.batch_tokens, self.sweep_plan, self.sweep_status]
         for g in self.groups:
             ts += [g.head.records, g.tail.records, g.plan, g.status, *(w for w in g.write_workspaces if w is not None)]
         if self.token_pool is not None:

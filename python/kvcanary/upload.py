@@ -15,6 +15,7 @@ from kvcanary.config import CanaryConfig, CoveragePolicy
 from kvcanary.errors import KVCanaryInternalError
 from kvcanary.health import Health
 from kvcanary.ops.scatter_tokens import scatter_tokens
+from kvcanary.ops.stage_batch import stager
 from kvcanary.state import CanaryState
 from kvcanary.stripes import Stripes
 from kvcanary.truth import BatchTruth, RowChains, all_set
@@ -61,45 +62,36 @@ class Upload:
             if config.coverage == CoveragePolicy.WINDOW else None
         self.last_seen: dict[Hashable, int] = {}
         self.pool_rows: dict[Hashable, tuple[int, int]] = {}  # POOL truth: request -> (row, tokens uploaded)
-        self._host = [u.numpy() for u in state.upload]
-        self._index = 0
-        # CUDA: per staging row, the event of its last copy to the device (reused: a new event per forward costs more
-        # host time than the copy; synchronizing one never recorded returns at once)
+        self._host = [u.numpy() for u in state.upload]  # the staging rows, filled here and read by stage()
+        self._index = 0  # the staging row the next upload() fills
+        self._filled = 0  # the staging row the last upload() filled
+        # CUDA: per staging row, the event after the last stage_batch that read it (reused: a new event per forward
+        # costs more host time than the launch; synchronizing one never recorded returns at once)
         self._copied = [torch.cuda.Event() for _ in range(2)] if state.device.type == "cuda" else []  # type: ignore[no-untyped-call]
-        self._views: dict[tuple[int, int], tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]] = {}
+        self._stage = stager(backend)
+        self._device_index = state.device.index if state.device.type == "cuda" else None
         # (rows, tokens) of the static batch buffers that may hold a batch's values; everything past them is padding
         # (CanaryState allocates them so)
         self._dirty = (0, 0)
         self.any_new = True
 
-    def copy_batch(self, batch: BatchView, shape: tuple[int, int]) -> None:
-        """The batch tensors into the static buffers (one foreach copy), padded to the bound ``shape``: rows up to
-        ``shape[0]`` are padding rows (the pool's padding row, no new tokens), tokens up to ``shape[1]`` have
-        out_cache_loc -1. Only what an earlier, larger batch left there is reset (a steady batch resets nothing)."""
+    def stage(self, batch: BatchView, shape: tuple[int, int]) -> None:
+        """The batch tensors and the staging rows :meth:`upload` filled into the static buffers, padded to the bound
+        ``shape`` (one stage_batch call): rows up to ``shape[0]`` are padding rows (the pool's padding row, no new
+        tokens), tokens up to ``shape[1]`` have out_cache_loc -1. Only what an earlier, larger batch left there is
+        reset (a steady batch resets nothing)."""
         bs, nt = batch.batch_size, batch.num_tokens
-        dst, _, _ = self._slices(bs, nt)
-        torch._foreach_copy_(dst, [batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids,
-                                   batch.positions, batch.out_cache_loc], non_blocking=True)
-        st, (rows, tokens) = self.state, self._dirty
-        if rows > bs and shape[0] > bs:
-            st.req_pool_indices[bs:min(rows, shape[0])].fill_(self.pool.padding_row)
-            st.extend_lens[bs:min(rows, shape[0])].zero_()
-        if tokens > nt and shape[1] > nt:
-            st.out_cache_loc[nt:min(tokens, shape[1])].fill_(-1)
+        rows, tokens = self._dirty
+        pad_rows = max(bs, min(rows, shape[0]))
+        pad_tokens = max(nt, min(tokens, shape[1]))
+        st, k = self.state, self._filled
+        self._stage(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
+                    batch.out_cache_loc, st.upload[k], st.batch_rows, st.truth_rows, st.batch_tokens, pad_rows,
+                    pad_tokens, self.pool.padding_row)
+        if self._copied:  # the staging row is free again once this launch, which reads it in place, has run
+            self._copied[k].record(torch.cuda.current_stream(self._device_index))
         # past a bound shape, what the earlier batch left stays (reset once a later shape reaches it)
         self._dirty = (bs if rows <= shape[0] else rows, nt if tokens <= shape[1] else tokens)
-
-    def _slices(self, bs: int, nt: int) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
-        """The static buffers' views of one batch shape (batch tensors, truth rows, host staging rows), cached."""
-        got = self._views.get((bs, nt))
-        if got is None:
-            st = self.state
-            if len(self._views) > 64:
-                self._views.clear()
-            got = self._views[(bs, nt)] = (
-                [st.req_pool_indices[:bs], st.prefix_lens[:bs], st.extend_lens[:bs], st.input_ids[:nt],
-                 st.positions[:nt], st.out_cache_loc[:nt]], st.truth_rows[:, :bs], [u[:, :bs] for u in st.upload])
-        return got
 
     def upload(self, batch: BatchView, step: int, capture: bool) -> None:
         """Token truth, stripe ends and reuse ends of ``batch`` (forward ``step``) into ``state.truth_rows``."""
@@ -110,7 +102,7 @@ class Upload:
         live = rows != self.pool.padding_row
         if None in batch.request_ids:  # a C-level scan: np.not_equal on an object array costs far more
             live &= np.not_equal(keys, None)  # type: ignore[call-overload]
-        k = self._index
+        k = self._filled = self._index
         self._index ^= 1
         if self._copied:
             self._copied[k].synchronize()
@@ -125,10 +117,6 @@ class Upload:
             if self.stripes is not None:
                 self._stripe_ends(keys, live, pre, capture, out[3])
             self._truth(batch, rows, keys, live, pre, ext, out)
-        _, dev, host = self._slices(bs, batch.num_tokens)
-        dev.copy_(host[k], non_blocking=True)
-        if self._copied:
-            self._copied[k].record()
 
     def _steady(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray,
                 ext: np.ndarray, staging: np.ndarray) -> bool:

@@ -9,6 +9,7 @@ import torch
 from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.plan import plan_forward, plan_roll
 from kvcanary.ops.scatter_tokens import scatter_tokens
+from kvcanary.ops.stage_batch import stage_batch
 from kvcanary.ops.types import Sink, TokenPool
 from kvcanary.ops.verify import verify
 from kvcanary.ops.write import write, write_workspace
@@ -75,6 +76,14 @@ def main() -> None:
         scatter_tokens(pool, rows, torch.randint(-2, 22, (n,), device=dev), torch.randint(-2, 25, (n,), device=dev),
                        torch.randint(0, 9, (rng.randint(0, 60),), device=dev), torch.zeros(1, dtype=torch.int64,
                                                                                          device=dev), backend="cuda")
+        # batch staging at random sizes, dtypes and pads (pinned staging read in place)
+        bs, nt = rng.randint(0, 9), rng.randint(0, 40)
+        srcs = [torch.randint(-9, 9, (bs if i < 3 else nt,), dtype=rng.choice([torch.int32, torch.int64]), device=dev)
+                for i in range(6)]
+        rc, tc = bs + rng.randint(0, 7), nt + rng.randint(0, 70)
+        dst = [torch.zeros(n, c, dtype=torch.int64, device=dev) for n, c in ((3, rc), (5, rc), (3, tc))]
+        stage_batch(srcs, torch.randint(-9, 9, (5, bs + rng.randint(0, 2))).pin_memory(), *dst, rng.randint(bs, rc),
+                    rng.randint(nt, tc), -1, backend="cuda")
         if sc.fp is not None:
             src = fp_to(sc.fp, dev)
             assert src is not None

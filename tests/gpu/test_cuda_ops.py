@@ -7,10 +7,12 @@ from typing import Any
 
 import pytest
 import torch
+from kvcanary.errors import CanaryInputError
 from kvcanary.ops.bookkeep import bind_bookkeep
 from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.plan import plan_forward, plan_roll, plan_sweep
 from kvcanary.ops.scatter_tokens import scatter_tokens
+from kvcanary.ops.stage_batch import stage_batch
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
 from kvcanary.ops.verify import verify
 from kvcanary.ops.write import write, write_workspace
@@ -485,3 +487,58 @@ def test_bookkeep_matches(k: int, n: int) -> None:
         outs.append((c.cpu(), a.cpu()))
     for c, a in outs[1:]:
         assert torch.equal(c, outs[0][0]) and torch.equal(a, outs[0][1])
+
+
+# ---- stage_batch -------------------------------------------------------------------------------------------------
+
+def _stage_case(rng: random.Random) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], int, int, int]:
+    bs, nt, u = rng.randint(0, 300), rng.randint(0, 5000), rng.randint(1, 6)
+    src = [torch.randint(-(1 << 31), (1 << 31) - 1, (bs if i < 3 else nt,),
+                         dtype=rng.choice([torch.int32, torch.int64])) for i in range(6)]
+    rc, tc = bs + rng.randint(0, 300), nt + rng.randint(0, 3000)
+    staging = torch.randint(-(1 << 62), 1 << 62, (u, bs + rng.randint(0, 5)))
+    dst = [torch.randint(-50, 50, shape) for shape in ((3, rc), (u, rc), (3, tc))]
+    return src, staging, dst, rng.randint(bs, rc), rng.randint(nt, tc), rng.choice([-1, 0, 7])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stage_batch_matches(seed: int) -> None:
+    src, staging, dst, pad_rows, pad_tokens, padding_row = _stage_case(random.Random(seed))
+    outs = {}
+    for backend, dev in (("cpu", "cpu"), ("cuda", CUDA), ("torch", CUDA)):
+        d = [t.to(dev) for t in dst]
+        stage_batch([t.to(dev) for t in src], staging.pin_memory(), *d, pad_rows, pad_tokens, padding_row,
+                    backend=backend)
+        outs[backend] = [t.cpu() for t in d]
+    for backend in ("cuda", "torch"):
+        assert all(torch.equal(a, b) for a, b in zip(outs["cpu"], outs[backend], strict=True)), backend
+
+
+def test_stage_batch_needs_pinned_staging() -> None:
+    src, staging, dst, pad_rows, pad_tokens, padding_row = _stage_case(random.Random(1))
+    d = [t.to(CUDA) for t in dst]
+    with pytest.raises(CanaryInputError, match="pinned"):
+        stage_batch([t.to(CUDA) for t in src], staging, *d, pad_rows, pad_tokens, padding_row, backend="cuda")
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(d, dst, strict=True))
+
+
+def test_stage_batch_replays_in_a_graph() -> None:
+    """Captured once, replayed on new batch values and new staging contents (read in place at replay time)."""
+    rng = random.Random(3)
+    src, staging, dst, pad_rows, pad_tokens, padding_row = _stage_case(rng)
+    gsrc, gstaging, gdst = [t.to(CUDA) for t in src], staging.pin_memory(), [t.to(CUDA) for t in dst]
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        stage_batch(gsrc, gstaging, *gdst, pad_rows, pad_tokens, padding_row, backend="cuda")
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        for t in gsrc:
+            t.copy_(torch.randint(-1000, 1000, t.shape, dtype=t.dtype))
+        gstaging.copy_(torch.randint(-1000, 1000, gstaging.shape))
+        want = [t.clone() for t in gdst]
+        stage_batch([t.clone() for t in gsrc], gstaging.clone(), *want, pad_rows, pad_tokens, padding_row,
+                    backend="torch")
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(gdst, want, strict=True))

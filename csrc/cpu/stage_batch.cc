@@ -1,0 +1,27 @@
+// CPU entry point of batch staging (docs/ops-contract.md 8b).
+//
+// Native signature (kvcanary_cpu and kvcanary_cuda export the same):
+//   stage_batch(req_pool_indices, prefix_lens, extend_lens: int32/int64 [bs], input_ids, positions, out_cache_loc:
+//               int32/int64 [nt], staging: int64 [U, >= bs] (host), rows: int64 [3, RC], truth: int64 [U, RC],
+//               tokens: int64 [3, TC], pad_rows, pad_tokens, padding_row: int) -> None
+//   rows[:, :bs] = the three row arrays, truth[:, :bs] = staging[:, :bs], tokens[:, :nt] = the three token arrays;
+//   rows [bs, pad_rows) become padding rows (padding_row, 0, 0), tokens [nt, pad_tokens) get out_cache_loc -1.
+#include <tvm/ffi/function.h>
+
+#include "core/stage_batch.cuh"
+#include "core/tensor_checks.h"
+
+namespace kvcanary {
+
+void stage_batch(TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens, TensorView input_ids,
+                 TensorView positions, TensorView out_cache_loc, TensorView staging, TensorView rows,
+                 TensorView truth, TensorView tokens, int64_t pad_rows, int64_t pad_tokens, int64_t padding_row) {
+  const TensorView src[6] = {req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc};
+  const StageArgs a = check_stage_args(kDLCPU, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row);
+  for (int64_t i = 0; i < a.pad_rows; ++i) stage_row(a, i);
+  for (int64_t k = 0; k < a.pad_tokens; ++k) stage_token(a, k);
+}
+
+}  // namespace kvcanary
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(stage_batch, kvcanary::stage_batch);

@@ -1,0 +1,57 @@
+// CUDA batch staging (docs/ops-contract.md 8b): one launch, a thread per row and per token of the bound shape; the
+// staging rows are read in place from pinned host memory (its device-mapped address), so no separate copy is queued.
+#include <tvm/ffi/function.h>
+
+#include <algorithm>
+
+#include "core/stage_batch.cuh"
+#include "core/tensor_checks.h"
+#include "cuda/cuda_common.cuh"
+
+namespace kvcanary {
+namespace cuda {
+namespace {
+
+constexpr int kStageThreads = 256;
+
+__global__ void __launch_bounds__(kStageThreads) stage_batch_kernel(StageArgs a) {
+  await_prior_kernels();
+  const int64_t n = a.pad_rows > a.pad_tokens ? a.pad_rows : a.pad_tokens;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kStageThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kStageThreads) {
+    if (i < a.pad_rows) stage_row(a, i);
+    if (i < a.pad_tokens) stage_token(a, i);
+  }
+}
+
+// The device address of pinned (page-locked) host memory; a clear error for pageable memory, which a kernel cannot
+// read.
+const int64_t* mapped_staging(const int64_t* host) {
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, host);
+  TVM_FFI_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, ValueError)
+      << "staging must be pinned host memory (torch pin_memory=True) on the CUDA backend";
+  return static_cast<const int64_t*>(attr.devicePointer);
+}
+
+}  // namespace
+
+void stage_batch(TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens, TensorView input_ids,
+                 TensorView positions, TensorView out_cache_loc, TensorView staging, TensorView rows,
+                 TensorView truth, TensorView tokens, int64_t pad_rows, int64_t pad_tokens, int64_t padding_row) {
+  const TensorView src[6] = {req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc};
+  StageArgs a = check_stage_args(kDLCUDA, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row);
+  const int64_t n = std::max(a.pad_rows, a.pad_tokens);
+  if (n == 0) return;
+  const DLDevice dev = rows.device();
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  if (a.bs > 0) a.staging = mapped_staging(a.staging);
+  const int64_t blocks = (n + kStageThreads - 1) / kStageThreads;
+  const int64_t grid = std::min<int64_t>(blocks, 4 * static_cast<int64_t>(sm_count(dev.device_id)));
+  launch_kernel(stage_batch_kernel, static_cast<unsigned>(grid), kStageThreads, stream_of(dev), dev.device_id, a);
+}
+
+}  // namespace cuda
+}  // namespace kvcanary
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(stage_batch, kvcanary::cuda::stage_batch);
