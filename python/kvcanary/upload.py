@@ -15,7 +15,7 @@ from kvcanary.config import CanaryConfig, CoveragePolicy
 from kvcanary.errors import KVCanaryInternalError
 from kvcanary.health import Health
 from kvcanary.ops.scatter_tokens import scatter_tokens
-from kvcanary.ops.stage_batch import stager
+from kvcanary.ops.stage_batch import BatchStager
 from kvcanary.state import CanaryState
 from kvcanary.stripes import Stripes
 from kvcanary.truth import BatchTruth, RowChains, all_set
@@ -68,7 +68,8 @@ class Upload:
         # CUDA: per staging row, the event after the last stage_batch that read it (reused: a new event per forward
         # costs more host time than the launch; synchronizing one never recorded returns at once)
         self._copied = [torch.cuda.Event() for _ in range(2)] if state.device.type == "cuda" else []  # type: ignore[no-untyped-call]
-        self._stage = stager(backend)
+        self._stage = BatchStager(state.upload, state.batch_rows, state.truth_rows, state.batch_tokens,
+                                  pool.padding_row, backend)
         self._device_index = state.device.index if state.device.type == "cuda" else None
         # (rows, tokens) of the static batch buffers that may hold a batch's values; everything past them is padding
         # (CanaryState allocates them so)
@@ -84,10 +85,9 @@ class Upload:
         rows, tokens = self._dirty
         pad_rows = max(bs, min(rows, shape[0]))
         pad_tokens = max(nt, min(tokens, shape[1]))
-        st, k = self.state, self._filled
-        self._stage(batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
-                    batch.out_cache_loc, st.upload[k], st.batch_rows, st.truth_rows, st.batch_tokens, pad_rows,
-                    pad_tokens, self.pool.padding_row)
+        k = self._filled
+        self._stage((batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
+                     batch.out_cache_loc), k, pad_rows, pad_tokens)
         if self._copied:  # the staging row is free again once this launch, which reads it in place, has run
             self._copied[k].record(torch.cuda.current_stream(self._device_index))
         # past a bound shape, what the earlier batch left stays (reset once a later shape reaches it)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import tvm_ffi
 
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
@@ -41,13 +42,28 @@ def stage_batch(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch.
         raise CanaryInputError(str(err)) from err
 
 
-def stager(backend: str) -> Stager:
-    """The per-forward entry of a checked backend: the native function itself (it checks every argument), or the torch
-    reference (arguments checked by the caller)."""
-    if backend == "torch":
-        return _stage_torch
-    fn: Stager = _native.module("cuda" if backend == "cuda" else "cpu").stage_batch
-    return fn
+class BatchStager:
+    """stage_batch with the static arguments bound once: the staging buffers (one per double-buffered row set), the
+    destinations and the padding row, checked here (the torch path) or by the native entry on every call, and for a
+    native backend pre-converted to tvm-ffi tensors (no per-call DLPack exchange for them; the batch tensors stay torch
+    tensors, so tvm-ffi still takes torch's current stream from them)."""
+
+    def __init__(self, staging: Sequence[torch.Tensor], rows: torch.Tensor, truth: torch.Tensor, tokens: torch.Tensor,
+                 padding_row: int, backend: str) -> None:
+        self.backend = check_backend(backend, rows.device)
+        for i, t in enumerate(staging):
+            check_tensor(t, f"staging[{i}]", ndim=2, device=torch.device("cpu"), shape=(truth.shape[0], rows.shape[1]))
+        self._fn: Stager = _stage_torch
+        args: list[object] = [*staging, rows, truth, tokens]
+        if self.backend != "torch":
+            self._fn = _native.module("cuda" if self.backend == "cuda" else "cpu").stage_batch
+            args = [tvm_ffi.from_dlpack(t) for t in args]
+        self._staging, self._dst, self.padding_row = args[:len(staging)], tuple(args[len(staging):]), padding_row
+
+    def __call__(self, src: Sequence[torch.Tensor], k: int, pad_rows: int, pad_tokens: int) -> None:
+        """Stage ``src`` (the six batch arrays, checked by the caller: ``BatchView.validate``) with staging buffer
+        ``k``."""
+        self._fn(*src, self._staging[k], *self._dst, pad_rows, pad_tokens, self.padding_row)
 
 
 def _check(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor,
