@@ -262,18 +262,21 @@ class CanaryManager:
         """Poison the records of freed table-space ``slots`` (FULL groups; SWA slots leave through the map).
 
         A later read of such a slot fails its position and chain checks, which catches use-after-free and a
-        rollback that frees live slots. Reserved slots are left alone. Call outside any graph capture.
+        rollback that frees live slots. Reserved slots (and slots outside the pool) are left alone. No host sync.
+        Call outside any graph capture.
         """
         if not self.enabled:
             return
         for g in self.state.groups:
-            if g.spec.group != Group.FULL:
+            if g.spec.group != Group.FULL or g.spare is None:
                 continue
-            idx = slots[slots >= g.spec.reserved_slots].to(device=self.state.device, dtype=torch.int64)
-            for view in (g.head, g.tail):
-                view.records.index_fill_(0, idx, 0)
+            s, n = slots.to(device=self.state.device, dtype=torch.int64, non_blocking=True), g.spec.num_slots
+            # reserved and out-of-range slots go to the spare row past the slots (a filter would sync with the device)
+            idx = torch.where((s >= g.spec.reserved_slots) & (s < n), s, n)
+            for rows in g.spare:
+                rows.index_fill_(0, idx, 0)
                 # no planned position is negative, so any verify of the slot reports VERIFY_POSITION
-                view.records[idx, :, RecordField.POSITION] = NO_SLOT
+                rows[idx, :, RecordField.POSITION] = NO_SLOT
 
     def add_sink(self, sink: ReportSink) -> None:
         """Also send every window to ``sink``."""

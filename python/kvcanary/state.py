@@ -49,6 +49,9 @@ class GroupState:
     # per write op (HEAD write or seal, TAIL write): its own look-back workspace (ops.write.write_workspace; cuda
     # backend only, none for the others)
     write_workspaces: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    # the HEAD and TAIL record buffers with one spare row past the slots (``head.records`` / ``tail.records`` are their
+    # first num_slots rows): where invalidation sends the slots it must leave alone, so it needs no host sync to filter
+    spare: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def window(self) -> int:
@@ -129,10 +132,8 @@ class CanaryState:
     def _group(self, spec: GroupSpec) -> GroupState:
         d, cfg = self.device, self.config
         swa_map = spec.swa_map if spec.group == Group.SWA else None
-        head = GroupView(_i64(spec.num_slots, spec.halves, RECORD_NUM_FIELDS, device=d), spec.group,
-                         spec.reserved_slots, swa_map)
-        tail = GroupView(_i64(spec.num_slots, spec.halves, RECORD_NUM_FIELDS, device=d), spec.group,
-                         spec.reserved_slots, swa_map)
+        spare = tuple(_i64(spec.num_slots + 1, spec.halves, RECORD_NUM_FIELDS, device=d) for _ in range(2))
+        head, tail = (GroupView(rows[:spec.num_slots], spec.group, spec.reserved_slots, swa_map) for rows in spare)
         fp = None
         if cfg.fingerprint.value != 0:
             if spec.sources is None:
@@ -159,7 +160,7 @@ class CanaryState:
             spec, head, tail, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), _i64(NUM_PLAN_STATUS_COLS, device=d),
             *plan_buffers(stripe), fp, seal, *plan_buffers(reuse),
             write_workspaces=(write_workspace(cfg.token_capacity, d), write_workspace(cfg.token_capacity, d))
-            if self.backend == "cuda" else (None, None))
+            if self.backend == "cuda" else (None, None), spare=(spare[0], spare[1]))
 
     def transfer_buffers(self) -> list[TransferBuffer]:
         """The canary records to send with the KV in a prefill->decode transfer, indexable by slot."""

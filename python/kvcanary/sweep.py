@@ -124,8 +124,9 @@ class Sweeper:
         st = self.state
         export.validate(st.device)
         sl, m = export.slots, st.pool.num_slots
-        st.sweep_inv.fill_(-1)  # slot ids outside [0, m) land in the spare last entry, which no slice reads
-        st.sweep_inv.index_copy_(0, torch.where((sl >= 0) & (sl < m), sl, m),
+        st.sweep_inv.fill_(-1)
+        # slot ids outside [0, m) land in the spare last entry, which no slice reads: -1 after the clamp is m mod m + 1
+        st.sweep_inv.index_copy_(0, sl.clamp(-1, m).remainder_(m + 1),
                                  torch.arange(sl.shape[0], dtype=torch.int64, device=st.device))
         ends = torch.cumsum(export.lens.clamp(min=0), 0)
         unlocked = export.unlocked.to(torch.int64) if self.unlocked_only and export.unlocked is not None else None

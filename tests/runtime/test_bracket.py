@@ -9,7 +9,7 @@ import torch
 from kvcanary.config import CanaryConfig
 from kvcanary.errors import BackendUnavailableError
 from kvcanary.manager import CanaryBracketError, install
-from kvcanary_schema import FailReason
+from kvcanary_schema import NO_SLOT, FailReason, RecordField
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .fake_engine import FakeEngine
@@ -165,8 +165,12 @@ def test_invalidate_makes_a_freed_slot_fail_its_next_read() -> None:
     assert total(run(eng, m, 2)) == 0
     r1 = eng.reqs["r1"]
     slot = int(eng.req_to_token[r1.row, 1])
-    m.invalidate(torch.tensor([0, slot]))  # slot 0 is reserved: left alone
-    assert int(m.state.groups[0].head.records[0, 0, 1]) != -1
+    g = m.state.groups[0]
+    before = g.head.records.clone()
+    n = g.spec.num_slots
+    m.invalidate(torch.tensor([0, slot, -3, n, n + 7]))  # slot 0 is reserved, the others outside the pool: left alone
+    changed = (g.head.records != before).any(dim=(1, 2)).nonzero().flatten().tolist()
+    assert changed == [slot] and int(g.head.records[slot, 0, RecordField.POSITION]) == NO_SLOT
     rep = step(eng, m)
     assert rep is not None
     hits = [v for v in rep.violations if v.slot == slot]
