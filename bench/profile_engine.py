@@ -1,15 +1,18 @@
 """Where the reference engine's canary time goes: cProfile of the demo's clean run, restricted to the canary's hooks
-(callees of the hooks, callers of the torch calls they make). Usage: python -m bench.profile_engine [--device cuda]
-[--steps 100] [--out FILE]."""
+(callees of the hooks, callers of the torch calls they make); on CUDA also every host sync (torch's sync debug mode)
+by the line that caused it. Usage: python -m bench.profile_engine [--device cuda] [--steps 100] [--out FILE]."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import pstats
+import warnings
 from pathlib import Path
 
+import torch
 from kvcanary.demo import clean_run
 
 HOOKS = (r"(engine/canary.py:\d+\((before|after)_forward|on_free)|manager.py:\d+\((begin_forward|end_forward|_roll|"
@@ -24,10 +27,20 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     prof = cProfile.Profile()
-    prof.enable()
-    res = clean_run(0, a.device, a.backend if a.backend != "auto" else a.device, a.steps, quiet=True)
-    prof.disable()
+    cuda = a.device == "cuda"
+    with warnings.catch_warnings(record=True) as syncs:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        prof.enable()
+        res = clean_run(0, a.device, a.backend if a.backend != "auto" else a.device, a.steps, quiet=True)
+        prof.disable()
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
     text = io.StringIO()
+    where = collections.Counter(f"{w.filename}:{w.lineno}" for w in syncs if "synchroniz" in str(w.message))
+    text.write(f"host syncs by line ({sum(where.values())}):\n" + "".join(f"  {n:6d} {k}\n" for k, n in
+                                                                         where.most_common(30)))
     for p in res["phases"]:
         text.write(f"{p['phase']}: {p['forwards']} forwards, canary {p['canary_ms_per_forward']} ms per forward\n")
     stats = pstats.Stats(prof, stream=text)
