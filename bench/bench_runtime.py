@@ -242,7 +242,7 @@ def engine_case(device: str, backend: str, steps: int) -> dict[str, Any]:
     """The reference engine's clean run (the demo's): canary host ms per forward, worst phase."""
     from kvcanary.demo import clean_run
 
-    res = _host(clean_run, 0, device, backend, steps, quiet=True)  # profiled: the engine's own work as well
+    res = clean_run(0, device, backend, steps, quiet=True)
     worst = max(res["phases"], key=lambda p: p["canary_ms_per_forward"])
     return {"mode": "engine", "device": device, "backend": backend, "steps": steps,
             "canary_ms_per_forward": worst["canary_ms_per_forward"], "phase": worst["phase"],
@@ -282,8 +282,8 @@ def main() -> None:
                     "size; an engine installs for its largest batch)")
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", default="", help="write a cProfile summary of begin_forward and end_forward over "
-                    "every timed forward, and of the whole reference-engine run, to this file (the timings then "
-                    "include the profiler's own cost)")
+                    "every timed forward, eager and replayed, to this file (the timings then include the profiler's "
+                    "own cost; the reference engine: python -m bench.profile_engine)")
     a = ap.parse_args()
     global PROFILER
     PROFILER = cProfile.Profile() if a.profile else None
