@@ -91,6 +91,8 @@ def test_clean_shared_prefix_generate_batch(llama: Any, prompts: list[list[int]]
     assert st["requests_released"] == len(prompts) and st.get("write_problems", 0) == 0, st
     assert canary is not None and canary.sweeps_completed >= 2
     assert canary.metrics.counters["entries_checked"] > 0 and canary.metrics.counters["entries_written"] > 0
+    # no input errors and no watchdog problem (a clean run flags none; violations alone would not show them)
+    assert canary.metrics.counters["input_errors"] == 0 and not canary.health.problems, canary.health.problems
     assert no_wrappers_left(llama)
     assert generate(llama, prompts, max_batch_tokens=24) == baseline  # still fine after uninstall
 

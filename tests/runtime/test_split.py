@@ -94,6 +94,17 @@ def test_varying_batches_bind_a_shape_per_power_of_two() -> None:
     assert total(run(eng, m, 1)) == 0 and not m.health.problems
 
 
+def test_a_pool_without_a_padding_row_keeps_the_exact_batch_size() -> None:
+    """There a row of -1 is an input error (docs/ops-contract.md 2), so rows are not padded; tokens still are."""
+    eng, m = setup(n_reqs=6, engine=FakeEngine(padding_row=-1))
+    _decode(eng, m, list(eng.reqs))  # prefill
+    sizes = [3, 5, 6, 5, 3]
+    assert [_decode(eng, m, list(eng.reqs)[:n]) for n in sizes] == sizes
+    m.flush()
+    assert not m.health.problems and m.metrics.counters["input_errors"] == 0
+    assert set(m.program._cache) == {(6, 32), (3, 4), (5, 8), (6, 8)}
+
+
 def test_reuse_check_runs_only_when_a_request_is_new() -> None:
     eng, m = setup(n_reqs=2)
 

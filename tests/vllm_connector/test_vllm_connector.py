@@ -70,6 +70,8 @@ def test_clean_run_matches_vllm_without_the_connector(llm: Any, plain_outputs: l
     assert counts["mixed_steps"] > 0
     assert conn.worker.canary.sweeps_completed > 0
     assert sum(r.total for r in conn.worker.reports) == 0, conn.worker.reports[0].violations[:3]
+    # no input errors and no watchdog problem either (violations alone would not show them)
+    assert not conn.worker.canary.health.problems, conn.worker.canary.health.problems
     assert out == plain_outputs
 
 
