@@ -275,8 +275,9 @@ class CanaryManager:
             idx = torch.where((s >= g.spec.reserved_slots) & (s < n), s, n)
             for rows in g.spare:
                 rows.index_fill_(0, idx, 0)
-                # no planned position is negative, so any verify of the slot reports VERIFY_POSITION
-                rows[idx, :, RecordField.POSITION] = NO_SLOT
+                # no planned position is negative, so any verify of the slot reports VERIFY_POSITION (index_fill_: an
+                # indexed assignment of a Python scalar copies it to the device and syncs)
+                rows.select(2, RecordField.POSITION).index_fill_(0, idx, NO_SLOT)
 
     def add_sink(self, sink: ReportSink) -> None:
         """Also send every window to ``sink``."""
