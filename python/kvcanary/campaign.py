@@ -599,6 +599,8 @@ class CleanResult:
     chunks: int = 0
     coverage: float = 0.0
     first_violations: list[str] = field(default_factory=list)
+    # watchdog and plan-status problems (skipped requests, overflow, missed launches): logged, never violations
+    health_problems: list[str] = field(default_factory=list)
 
 
 def clean_engine_config(rng: random.Random, spec: bool) -> dict[str, Any]:
@@ -652,6 +654,7 @@ def run_clean(seed: int, num_requests: int, device: str = "cpu", backend: str = 
     res.sweeps = sum(m.sweeps_completed for m in ms)
     res.sweep_slices = sum(m.sweeper.slices for m in ms)
     res.coverage = can.target.metrics.gauges["coverage"]
+    res.health_problems = [p.message for m in ms for p in m.health.problems]
     return res
 
 

@@ -125,8 +125,8 @@ class Sweeper:
         export.validate(st.device)
         sl, m = export.slots, st.pool.num_slots
         st.sweep_inv.fill_(-1)
-        # slot ids outside [0, m) land in the spare last entry m, which no slice reads: clamped to -1 or m, then (-1) mod
-        # (m + 1) = m
+        # slot ids outside [0, m) land in the spare last entry m, which no slice reads: clamped to -1 or m, and
+        # (-1) mod (m + 1) = m
         st.sweep_inv.index_copy_(0, sl.clamp(-1, m).remainder_(m + 1),
                                  torch.arange(sl.shape[0], dtype=torch.int64, device=st.device))
         ends = torch.cumsum(export.lens.clamp(min=0), 0)

@@ -11,7 +11,7 @@ from kvcanary_schema import TokenTruth
 def test_clean_mixed_workload_has_no_violation(seed: int, spec: bool, backend: str) -> None:
     res = C.run_clean(seed, 14, backend=backend, spec=spec)
     assert res.violations == 0, res.first_violations
-    assert res.input_errors == 0
+    assert res.input_errors == 0 and res.health_problems == []
     assert res.forwards > 20 and res.entries_checked > 0 and res.sweeps > 0
     assert (res.draft_forwards > 0) == spec
 
@@ -22,7 +22,7 @@ def test_clean_run_exercises_the_hard_paths(backend: str) -> None:
                       engine_overrides={"num_slots": 256, "chunk_size": 8, "page_size": 2, "max_running": 6,
                                         "num_swa_slots": C.swa_slots_needed({"chunk_size": 8, "max_running": 6,
                                                                              "page_size": 2})})
-    assert res.violations == 0, res.first_violations
+    assert res.violations == 0 and res.health_problems == [], (res.first_violations, res.health_problems)
     assert res.prefix_hit_tokens > 0 and res.evicted_slots > 0 and res.chunks > res.target_forwards // 4
     assert res.retractions > 0
 
