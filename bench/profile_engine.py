@@ -16,7 +16,7 @@ import torch
 from kvcanary.demo import clean_run
 
 HOOKS = (r"(engine/canary.py:\d+\((before|after)_forward|on_free)|manager.py:\d+\((begin_forward|end_forward|_roll|"
-         r"_export|invalidate)|sweep.py:\d+\((roll|_derive)|upload.py:\d+\((upload|stage)")
+         r"_export|invalidate)|sweep.py:\d+\((roll|_derive)|upload.py:\d+\((upload|stage)|program.py:\d+\(_bind")
 
 
 def main() -> None:

@@ -44,15 +44,15 @@ def stage_batch(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch.
 
 class BatchStager:
     """stage_batch with the static arguments bound once: the staging buffers (one per double-buffered row set), the
-    destinations and the padding row, checked here (the torch path) or by the native entry on every call, and for a
+    destinations and the padding row, checked here (the native entry checks them again on every call), and for a
     native backend pre-converted to tvm-ffi tensors (no per-call DLPack exchange for them; the batch tensors stay torch
     tensors, so tvm-ffi still takes torch's current stream from them)."""
 
     def __init__(self, staging: Sequence[torch.Tensor], rows: torch.Tensor, truth: torch.Tensor, tokens: torch.Tensor,
                  padding_row: int, backend: str) -> None:
         self.backend = check_backend(backend, rows.device)
-        for i, t in enumerate(staging):
-            check_tensor(t, f"staging[{i}]", ndim=2, device=torch.device("cpu"), shape=(truth.shape[0], rows.shape[1]))
+        for t in staging:
+            _check_static(t, rows, truth, tokens)
         self._fn: Stager = _stage_torch
         args: list[object] = [*staging, rows, truth, tokens]
         if self.backend != "torch":
@@ -66,18 +66,24 @@ class BatchStager:
         self._fn(*src, self._staging[k], *self._dst, pad_rows, pad_tokens, self.padding_row)
 
 
-def _check(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor,
-           tokens: torch.Tensor, pad_rows: int, pad_tokens: int) -> None:
+def _check_static(staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor, tokens: torch.Tensor) -> None:
+    """The arguments that do not change between forwards: shapes, dtypes, devices (the batch's fit is _check's)."""
     d = rows.device
     check_tensor(rows, "rows", ndim=2, device=d, shape=(3, None))
     check_tensor(truth, "truth", ndim=2, device=d, shape=(None, rows.shape[1]))
     check_tensor(tokens, "tokens", ndim=2, device=d, shape=(3, None))
+    check_tensor(staging, "staging", ndim=2, device=torch.device("cpu"), shape=(truth.shape[0], None))
+
+
+def _check(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor,
+           tokens: torch.Tensor, pad_rows: int, pad_tokens: int) -> None:
+    _check_static(staging, rows, truth, tokens)
+    d = rows.device
     if len(src) != len(SRC_NAMES):
         raise CanaryInputError(f"stage_batch takes {len(SRC_NAMES)} batch arrays, got {len(src)}")
     bs, nt = (int(src[i].shape[0]) if isinstance(src[i], torch.Tensor) else 0 for i in (0, 3))
     for i, (name, t) in enumerate(zip(SRC_NAMES, src, strict=True)):
         check_tensor(t, name, dtype=_INDEX, ndim=1, device=d, shape=(bs if i < 3 else nt,))
-    check_tensor(staging, "staging", ndim=2, device=torch.device("cpu"), shape=(truth.shape[0], None))
     if staging.shape[1] < bs:
         raise CanaryInputError(f"staging has {staging.shape[1]} columns, the batch has {bs} rows")
     if not bs <= pad_rows <= rows.shape[1]:
