@@ -15,6 +15,7 @@ from kvcanary.engine import (
     ForwardBatch,
     ForwardMode,
     ModelConfig,
+    NullHooks,
     PoolKind,
     Request,
     RequestError,
@@ -216,3 +217,56 @@ def test_bad_configs(model_cfg: ModelConfig, draft_cfg: ModelConfig, swa_cfg: Mo
         engine.add_request(Request("x", (999,), 2))
     with pytest.raises(ConfigError):
         engine.pool_view(PoolKind.DRAFT)
+
+
+def _chains_by_holder(c: Any) -> list[tuple[Any, ...]]:
+    """A CachedChains as sorted tuples (holders, slots, first position, prev slot, unlocked) per chain."""
+    out = []
+    for i in range(c.num_chains):
+        s, n = int(c.chain_starts[i]), int(c.chain_lens[i])
+        out.append((c.holders[i], tuple(c.slots[s:s + n].tolist()), int(c.first_positions[i]),
+                    int(c.prev_slots[i]), bool(c.unlocked[i])))
+    return sorted(out)
+
+
+def _resident_reference(engine: Engine) -> list[tuple[Any, ...]]:
+    """resident_chains the slow way: the radix nodes one by one, then each running request's uncached tail."""
+    assert engine.radix is not None
+    table = engine.req_to_token.table.cpu()
+    out = [(nd.holders, tuple(nd.value.tolist()), nd.start,
+            int(nd.parent.value[-1]) if nd.parent is not None and nd.parent is not engine.radix.root else -1,
+            nd.lock_ref == 0) for nd in engine.radix.nodes()]
+    for s in engine.scheduler.running:
+        if s.row >= 0 and s.kv_len > s.cached_len:
+            out.append(((s.rid,), tuple(table[s.row, s.cached_len:s.kv_len].tolist()), s.cached_len,
+                        int(table[s.row, s.cached_len - 1]) if s.cached_len else -1, False))
+    return sorted(out)
+
+
+class _ExportChecker(NullHooks):
+    """After every forward: the vectorized export equals the reference, and stays one object while unchanged."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.checked, self.reused = engine, 0, 0
+
+    def after_forward(self, batch: ForwardBatch, pool_kind: PoolKind) -> None:
+        e = self.engine
+        assert _chains_by_holder(e.resident_chains()) == _resident_reference(e)
+        self.reused += e.cached_chains() is e.cached_chains()
+        self.checked += 1
+
+
+@pytest.mark.parametrize("cfg", [{"chunk_size": 7}, {"chunk_size": 5, "page_size": 4, "num_slots": 1024}])
+def test_resident_chains_match_reference_every_forward(model_cfg: ModelConfig, cfg: dict[str, Any]) -> None:
+    check_resident_chains(model_cfg, cfg, "cpu")
+
+
+def check_resident_chains(model_cfg: ModelConfig, cfg: dict[str, Any], device: str) -> None:
+    """Run an engine on ``device`` whose hooks compare its vectorized export with the reference after every
+    forward."""
+    engine = Engine(EngineConfig(**cfg), model_cfg, device=device)
+    checker = _ExportChecker(engine)
+    engine.hooks = checker
+    engine.generate(make_requests(9, shared=12, new=6))
+    assert checker.checked == engine.stats.forwards and checker.reused == checker.checked
+    assert engine.radix is not None and engine.cached_chains().num_chains > 0

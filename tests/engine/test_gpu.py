@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import make_requests
 from engine_shadow import ShadowChecker, sequential
+from test_equivalence import check_resident_chains
 from kvcanary.engine import Engine, EngineConfig, ModelConfig
 
 pytestmark = [pytest.mark.gpu,
@@ -25,3 +26,8 @@ def test_cuda_matches_cpu(model_cfg: ModelConfig, swa_cfg: ModelConfig, draft_cf
         assert engine.pool_view().k[0].device.type == "cuda"
         assert engine.cached_chains().slots.device.type == "cuda"
         assert out == sequential(reqs, model)
+
+
+def test_cuda_resident_chains_match_reference(model_cfg: ModelConfig) -> None:
+    """The export's pinned buffers and copies without a sync give the same chains as the slow reference."""
+    check_resident_chains(model_cfg, {"chunk_size": 5, "page_size": 4, "num_slots": 1024}, "cuda")

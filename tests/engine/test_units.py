@@ -112,3 +112,27 @@ def test_radix_export_chains() -> None:
         by_first[tuple(ch.slots[s:s + n].tolist())] = (int(ch.first_positions[i]),
                                                        int(ch.prev_slots[i]), bool(ch.unlocked[i]))
     assert by_first == {(10, 11): (0, -1, False), (12,): (2, 11, True), (30, 31): (2, 11, False)}
+
+
+def test_radix_export_is_rebuilt_exactly_when_the_tree_changes() -> None:
+    cache = RadixCache(page_size=2)
+    cache.insert([1, 2, 3, 4], torch.tensor([10, 11, 12, 13]), "a")
+    first = cache.export_chains()
+    assert cache.export_chains() is first and cache.export_chains("cpu") is first
+    cache.match([1, 2, 3, 4])  # a plain hit changes nothing an export shows
+    assert cache.export_chains() is first
+
+    def shown() -> list[tuple[object, ...]]:
+        ch = cache.export_chains()
+        return sorted((ch.holders[i], tuple(ch.slots[int(ch.chain_starts[i]):][:int(ch.chain_lens[i])].tolist()),
+                       int(ch.first_positions[i]), int(ch.prev_slots[i]), bool(ch.unlocked[i]))
+                      for i in range(ch.num_chains))
+    node = cache.match([1, 2, 9, 9]).node  # splits [1,2,3,4] at 2
+    assert shown() == [(("a",), (10, 11), 0, -1, True), (("a",), (12, 13), 2, 11, True)]
+    cache.lock(node, "b")
+    assert shown() == [(("a",), (12, 13), 2, 11, True), (("a", "b"), (10, 11), 0, -1, False)]
+    cache.unlock(node)
+    cache.insert([5, 6], torch.tensor([20, 21]), "c")
+    assert shown()[-1] == (("c",), (20, 21), 0, -1, True)
+    cache.evict(2)
+    assert len(shown()) == 2 and cache.export_chains() is cache.export_chains()

@@ -20,6 +20,7 @@ from kvcanary.truth import new_token_truth
 from .batch import ForwardBatch, PoolKind
 from .engine import Engine
 from .pool import PoolView
+from .radix import CachedChains
 
 
 def _sources(tensors: Sequence[torch.Tensor], layers: Sequence[int]) -> list[SourceSpec]:
@@ -76,16 +77,22 @@ def batch_view(batch: ForwardBatch) -> BatchView:
 
 def prefix_cache_export(engine: Engine, kind: PoolKind = PoolKind.TARGET) -> PrefixCacheExport | None:
     """The engine's radix cache (and, in the target pool, the running requests' uncached KV) as the sweep's chain
-    export (None without a prefix cache).
+    export (None without a prefix cache)."""
+    chains = _engine_chains(engine, kind)
+    return None if chains is None else _chains_export(engine, kind, chains)
 
-    In the draft pool (token offset 1) a node's last record holds the first token of whichever child wrote it
-    first, so links across node boundaries are not content-determined there: the draft export gives non-root
-    chains a predecessor that does not resolve (verify then skips that one link, uncounted, per the contract).
-    """
+
+def _engine_chains(engine: Engine, kind: PoolKind) -> CachedChains | None:
     if engine.radix is None:
         return None
     # the target pool's export also holds every running request's KV outside the cache (a sweep reaches it)
-    c = engine.resident_chains() if kind == PoolKind.TARGET else engine.cached_chains()
+    return engine.resident_chains() if kind == PoolKind.TARGET else engine.cached_chains()
+
+
+def _chains_export(engine: Engine, kind: PoolKind, c: CachedChains) -> PrefixCacheExport:
+    """In the draft pool (token offset 1) a node's last record holds the first token of whichever child wrote it
+    first, so links across node boundaries are not content-determined there: the draft export gives non-root
+    chains a predecessor that does not resolve (verify then skips that one link, uncounted, per the contract)."""
     prev = c.prev_slots
     if kind == PoolKind.DRAFT:
         prev = torch.where(prev == NO_SLOT, prev, torch.full_like(prev, engine.config.num_slots))
@@ -137,12 +144,14 @@ class EngineCanary:
             desc = pool_description(engine.pool_view(kind), engine.device)
             # the draft pool sees the same prefix cache; only the target's records get perturbed
             self.managers[kind] = install(desc, config if kind == PoolKind.TARGET else _unperturbed(config),
-                                          prefix_cache=partial(prefix_cache_export, engine, kind),
+                                          prefix_cache=partial(self._export, kind),
                                           sinks=[*sinks, partial(self._receive, kind)])
         self.detections: list[Detection] = []
         self.log = ForwardLog()
         self.forwards = 0
         self.seconds = 0.0  # wall time spent inside the canary's hooks (host work + CPU kernels)
+        self.export_seconds = 0.0  # the part of it spent in the engine's prefix-cache export (the sweep's input)
+        self._exports: dict[PoolKind, tuple[CachedChains, PrefixCacheExport]] = {}  # per pool: the last export
         self._global: dict[tuple[PoolKind, int], int] = {}  # (pool, pool step) -> engine forward
         self._on_forward = on_forward
         engine.hooks = self
@@ -194,6 +203,17 @@ class EngineCanary:
         self.seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ results
+
+    def _export(self, kind: PoolKind) -> PrefixCacheExport | None:
+        """The pool's prefix-cache export: the same object while the engine returns the same chains (the rolling
+        sweep then derives nothing new)."""
+        t0 = time.perf_counter()
+        chains = _engine_chains(self.engine, kind)
+        last = self._exports.get(kind)
+        if chains is not None and (last is None or last[0] is not chains):
+            last = self._exports[kind] = (chains, _chains_export(self.engine, kind, chains))
+        self.export_seconds += time.perf_counter() - t0
+        return None if chains is None or last is None else last[1]
 
     def _receive(self, kind: PoolKind, report: WindowReport) -> None:
         self._inbox.append((kind, report))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .batch import ForwardBatch, ForwardMode, PoolKind
@@ -213,18 +214,30 @@ class Engine:
         if not tails:
             return base
         table = self.req_to_token.table
-        slots = [table[s.row, s.cached_len:s.kv_len].to(torch.int64) for s in tails]
-        none = torch.full((1,), -1, dtype=torch.int64, device=table.device)
-        prev = [table[s.row, s.cached_len - 1:s.cached_len].to(torch.int64) if s.cached_len else none for s in tails]
-        lens = torch.tensor([s.kv_len - s.cached_len for s in tails], dtype=torch.int64)
-        starts = base.slots.numel() + torch.cumsum(lens, 0) - lens
-        dev = base.slots.device
+        rows, first, end = (np.fromiter(v, np.int64, len(tails)) for v in
+                            ((s.row for s in tails), (s.cached_len for s in tails), (s.kv_len for s in tails)))
+        if int(end.max()) > table.shape[1]:
+            raise EngineError(f"a running request's kv_len exceeds the slot table's {table.shape[1]} columns")
+        lens = end - first
+        total, t = int(lens.sum()), len(tails)
+        ends = np.cumsum(lens)
+        # one host buffer, one copy (no sync): the tails' flat table indices, each tail's previous-slot index, start,
+        # length, first position and whether it has a previous slot
+        host = torch.empty(total + 5 * t, dtype=torch.int64, pin_memory=table.is_cuda)
+        h = host.numpy()
+        h[:total] = np.repeat(rows * table.shape[1] + first - (ends - lens), lens) + np.arange(total)
+        h[total:] = np.concatenate([rows * table.shape[1] + np.maximum(first - 1, 0), base.slots.numel() + ends - lens,
+                                    lens, first, first > 0])
+        dev = host.to(table.device, non_blocking=True)
+        idx, prev_idx, starts, lens_d, first_d, has_prev = dev[:total], *dev[total:].view(5, t)
+        flat = table.view(-1)
+        # masked_fill_ takes its -1 as a kernel argument; torch.where(..., -1) copied it to the device (pageable)
+        prev = flat.index_select(0, prev_idx).masked_fill_(has_prev == 0, -1)
         return CachedChains(
-            torch.cat([base.slots, *[t.to(dev) for t in slots]]), torch.cat([base.chain_starts, starts.to(dev)]),
-            torch.cat([base.chain_lens, lens.to(dev)]),
-            torch.cat([base.first_positions, torch.tensor([s.cached_len for s in tails], device=dev)]),
-            torch.cat([base.prev_slots, *[t.to(dev) for t in prev]]),
-            torch.cat([base.unlocked, torch.zeros(len(tails), dtype=torch.bool, device=dev)]),
+            torch.cat([base.slots, flat.index_select(0, idx)]), torch.cat([base.chain_starts, starts]),
+            torch.cat([base.chain_lens, lens_d]), torch.cat([base.first_positions, first_d]),
+            torch.cat([base.prev_slots, prev]),
+            torch.cat([base.unlocked, torch.zeros(t, dtype=torch.bool, device=table.device)]),
             base.holders + tuple((s.rid,) for s in tails))
 
     def pool_view(self, kind: PoolKind = PoolKind.TARGET) -> PoolView:

@@ -75,6 +75,9 @@ class RadixCache:
         self.root.lock_ref = 1
         self._on_evict = on_evict
         self._clock = itertools.count(1)
+        # bumped by every change an export shows (structure, slots, locks, holders): the export is rebuilt only then
+        self.version = 0
+        self._exported: tuple[int, torch.device, CachedChains] | None = None
 
     def _child_key(self, key: tuple[int, ...]) -> tuple[int, ...]:
         return key[:self.page_size]
@@ -93,6 +96,7 @@ class RadixCache:
         parent = node.parent
         if parent is None:
             raise ConfigError("cannot split the root")
+        self.version += 1
         head = RadixNode(parent, node.key[:at], node.value[:at], node.start)
         head.lock_ref, head.last_access = node.lock_ref, node.last_access
         head.holders, head.poisoned = node.holders, node.poisoned
@@ -125,6 +129,7 @@ class RadixCache:
         if len(tokens) % self.page_size or len(tokens) != slots.numel():
             raise ConfigError("insert needs a page-aligned key with one slot per token")
         key, node, pos, stamp = tuple(tokens), self.root, 0, next(self._clock)
+        self.version += 1
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -143,6 +148,7 @@ class RadixCache:
 
     def lock(self, node: RadixNode, holder: str | None = None) -> None:
         """Protect node and its ancestors from eviction (held by request ``holder``)."""
+        self.version += 1
         cur: RadixNode | None = node
         while cur is not None and cur is not self.root:
             cur.lock_ref += 1
@@ -151,6 +157,7 @@ class RadixCache:
 
     def unlock(self, node: RadixNode) -> None:
         """Undo one lock()."""
+        self.version += 1
         cur: RadixNode | None = node
         while cur is not None and cur is not self.root:
             if cur.lock_ref <= 0:
@@ -227,6 +234,7 @@ class RadixCache:
         parent = node.parent
         if parent is None:
             raise ConfigError("cannot evict the root")
+        self.version += 1
         del parent.children[self._child_key(node.key)]
         if self._on_evict is not None:
             self._on_evict(node.value)
@@ -237,21 +245,28 @@ class RadixCache:
         self.evict(self.total_slots())
 
     def export_chains(self, device: torch.device | str = "cpu") -> CachedChains:
-        """Vectorized export: node slots concatenated, with start, length, first position, prev slot."""
+        """Vectorized export: node slots concatenated, with start, length, first position, prev slot. The same
+        object while the tree is unchanged (a sweep derives what it needs once per export object)."""
+        device = torch.device(device)
+        if self._exported is not None and self._exported[:2] == (self.version, device):
+            return self._exported[2]
         nodes = list(self.nodes())
-        lens = torch.tensor([n.value.numel() for n in nodes], dtype=torch.int64)
-        starts = torch.cumsum(lens, 0) - lens
-        prev = [int(n.parent.value[-1]) if n.parent is not None and n.parent is not self.root
-                else -1 for n in nodes]
-        holders = tuple(n.holders for n in nodes)
-        chains = CachedChains(
-            slots=torch.cat([n.value for n in nodes]) if nodes else _EMPTY, chain_starts=starts,
-            chain_lens=lens, first_positions=torch.tensor([n.start for n in nodes], dtype=torch.int64),
-            prev_slots=torch.tensor(prev, dtype=torch.int64),
-            unlocked=torch.tensor([n.lock_ref == 0 for n in nodes], dtype=torch.bool))
-        return CachedChains(chains.slots.to(device), chains.chain_starts.to(device), chains.chain_lens.to(device),
-                            chains.first_positions.to(device), chains.prev_slots.to(device),
-                            chains.unlocked.to(device), holders)
+        n = len(nodes)
+        slots = torch.cat([nd.value for nd in nodes]) if nodes else _EMPTY
+        # one host buffer, one copy: rows lens, first positions, prev slots, unlocked; then the slots
+        meta = torch.empty(4 * n + slots.numel(), dtype=torch.int64, pin_memory=device.type == "cuda")
+        meta[:n] = torch.tensor([nd.value.numel() for nd in nodes], dtype=torch.int64)
+        meta[n:2 * n] = torch.tensor([nd.start for nd in nodes], dtype=torch.int64)
+        meta[2 * n:3 * n] = torch.tensor([int(nd.parent.value[-1]) if nd.parent is not None and
+                                          nd.parent is not self.root else -1 for nd in nodes], dtype=torch.int64)
+        meta[3 * n:4 * n] = torch.tensor([nd.lock_ref == 0 for nd in nodes], dtype=torch.int64)
+        meta[4 * n:] = slots
+        on = meta.to(device, non_blocking=True)
+        lens = on[:n]
+        chains = CachedChains(on[4 * n:], torch.cumsum(lens, 0) - lens, lens, on[n:2 * n], on[2 * n:3 * n],
+                              on[3 * n:4 * n] != 0, tuple(nd.holders for nd in nodes))
+        self._exported = (self.version, device, chains)
+        return chains
 
 
 _MAX_HOLDERS = 4
