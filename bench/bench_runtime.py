@@ -239,14 +239,22 @@ def bench_replay(bs: int, prefix: int, backend: str, device: torch.device, iters
 
 
 def engine_case(device: str, backend: str, steps: int) -> dict[str, Any]:
-    """The reference engine's clean run (the demo's): canary host ms per forward, worst phase."""
+    """The reference engine's clean run (the demo's): canary host ms per forward, worst phase. It governs the verdict
+    as the demo measures it: the first run in the process, so on CUDA it includes the lazy loading of every kernel
+    the canary launches for the first time. ``warm_canary_ms_per_forward``: the same run repeated in the process,
+    every kernel loaded (what a server pays per forward once it has run a while, or after a warm-up)."""
     from kvcanary.demo import clean_run
 
-    res = clean_run(0, device, backend, steps, quiet=True)
-    worst = max(res["phases"], key=lambda p: p["canary_ms_per_forward"])
+    def worst(res: dict[str, Any]) -> dict[str, Any]:
+        return max(res["phases"], key=lambda p: p["canary_ms_per_forward"])  # type: ignore[no-any-return]
+
+    cold = clean_run(0, device, backend, steps, quiet=True)
+    warm = worst(clean_run(0, device, backend, steps, quiet=True))
     return {"mode": "engine", "device": device, "backend": backend, "steps": steps,
-            "canary_ms_per_forward": worst["canary_ms_per_forward"], "phase": worst["phase"],
-            "violations": res["violations"]}
+            "canary_ms_per_forward": worst(cold)["canary_ms_per_forward"], "phase": worst(cold)["phase"],
+            "export_ms_per_forward": worst(cold)["export_ms_per_forward"],
+            "warm_canary_ms_per_forward": warm["canary_ms_per_forward"], "warm_phase": warm["phase"],
+            "warm_export_ms_per_forward": warm["export_ms_per_forward"], "violations": cold["violations"]}
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
@@ -254,7 +262,8 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for r in rows:
         if r["mode"] == "engine":
-            got, want, unit, what = r["canary_ms_per_forward"], ENGINE_TARGET_MS, "ms", "reference engine canary/fw"
+            got, want, unit = r["canary_ms_per_forward"], ENGINE_TARGET_MS, "ms"
+            what = f"reference engine canary/fw (warm {r['warm_canary_ms_per_forward']:.2f})"
         elif r["mode"] == "replay":  # the mean: a reporting window's cost lands on one forward in report_interval
             got, want, unit = r["total_mean_us"], REPLAY_TARGET_US, "us"
             what = f"replay begin+end bs {r['bs']} ({r['config']})"

@@ -2,8 +2,10 @@
 # Reference-engine row A/B for a Python-only change: A = an earlier commit's python/ and bench/ (.ab/srcA, from
 # `git archive <commit> python generated/python bench | tar -x -C .ab/srcA`), B = this tree, both on this tree's native
 # library (.whl), alternating A B A B in one job: bench_runtime's engine row, then B's engine profile (split of the
-# export), the CUDA demo JSON and the GPU tests of tests/engine and tests/e2e. Files in $OUT: ab_log.txt
-# runtime_{A,B}{1,2}.json profile_engine_B.txt demo_cuda.json junit.xml. Usage (repo root): bash gpu/run_engine_ab.sh
+# export), the CUDA demo JSON and the GPU tests of tests/engine and tests/e2e (`all`: every GPU test but disagg's).
+# Files in $OUT: ab_log.txt runtime_{A,B}{1,2}.json profile_engine_B.txt demo_cuda.json junit.xml.
+# Carry .whl and .ab/srcA (and .hfproto, whose transformers wheels the transformers GPU tests need).
+# Usage (repo root): bash gpu/run_engine_ab.sh [all]
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -12,6 +14,7 @@ side_env() {  # side_env ROOT: PYTHONPATH on ROOT's Python, the native library o
 }
 {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    $(ls .hfproto/wheels/*.whl 2>/dev/null) \
     || exit 1
   export PYTHONUNBUFFERED=1 KVCANARY_CACHE_DIR=/tmp/kvcanary-jit
   nvidia-smi --query-gpu=name --format=csv,noheader
@@ -29,8 +32,9 @@ side_env() {  # side_env ROOT: PYTHONPATH on ROOT's Python, the native library o
   head -4 "$OUT/profile_engine_B.txt"
   echo "=== demo B $(date -u +%T)"
   timeout 200 python3 -m kvcanary demo --device cuda --json > "$OUT/demo_cuda.json"; echo "demo rc=$?"
-  echo "=== gpu tests B (engine, e2e) $(date -u +%T)"
-  timeout 300 python3 -m pytest -q -m gpu tests/engine tests/e2e -p no:cacheprovider --tb=short \
+  where="tests/engine tests/e2e"; [ "${1:-}" = all ] && where="tests --ignore=tests/disagg"
+  echo "=== gpu tests B ($where) $(date -u +%T)"
+  timeout 300 python3 -m pytest -q -m gpu $where -p no:cacheprovider --tb=short --maxfail=20 \
     --junitxml="$OUT/junit.xml" -o junit_family=xunit2 2>&1 | tail -8
   echo "=== done $(date -u +%T)"
 } 2>&1 | tee "$OUT/ab_log.txt"
