@@ -246,7 +246,7 @@ def engine_case(device: str, backend: str, steps: int) -> dict[str, Any]:
     from kvcanary.demo import clean_run
 
     def worst(res: dict[str, Any]) -> dict[str, Any]:
-        return max(res["phases"], key=lambda p: p["canary_ms_per_forward"])  # type: ignore[no-any-return]
+        return max(res["phases"], key=lambda p: p["canary_ms_per_forward"])
 
     cold = clean_run(0, device, backend, steps, quiet=True)
     warm = worst(clean_run(0, device, backend, steps, quiet=True))

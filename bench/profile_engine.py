@@ -20,8 +20,8 @@ import torch
 from kvcanary.demo import clean_run
 from kvcanary.engine.canary import EngineCanary
 
-HOOKS = (r"(engine/canary.py:\d+\((before|after)_forward|on_free|_export)|manager.py:\d+\((begin_forward|end_forward|_roll|"
-         r"_export|invalidate)|sweep.py:\d+\((roll|_derive)|upload.py:\d+\((upload|stage)|program.py:\d+\(_bind")
+HOOKS = (r"(engine/canary.py:\d+\((before|after)_forward|on_free|_export)|"
+         r"manager.py:\d+\((begin_forward|end_forward|_roll|_export|invalidate)|sweep.py:\d+\((roll|_derive)|upload.py:\d+\((upload|stage)|program.py:\d+\(_bind")
 
 
 def main() -> None:

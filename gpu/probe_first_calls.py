@@ -1,10 +1,20 @@
 """Probe: one-time costs of the ops the engine export uses (first pinned allocation, first launch of each kernel:
 lazy module loading), each timed with the device idle. Usage: python3 gpu/probe_first_calls.py."""
-import time, torch
+import time
+
+import torch
+
 d = torch.device("cuda")
-x = torch.arange(1000, device=d); y = x + 1; torch.cuda.synchronize()   # context and a first kernel
+x = torch.arange(1000, device=d)
+y = x + 1
+torch.cuda.synchronize()  # the context and a first kernel
+
+
 def t(name, fn):
-    torch.cuda.synchronize(); t0 = time.perf_counter(); fn(); torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
     print(f"{name:40s} {1e3*(time.perf_counter()-t0):8.3f} ms", flush=True)
 t("first pinned empty", lambda: torch.empty(100, dtype=torch.int64, pin_memory=True))
 p = torch.empty(100, dtype=torch.int64, pin_memory=True)
