@@ -252,9 +252,9 @@ def engine_case(device: str, backend: str, steps: int) -> dict[str, Any]:
     warm = worst(clean_run(0, device, backend, steps, quiet=True))
     return {"mode": "engine", "device": device, "backend": backend, "steps": steps,
             "canary_ms_per_forward": worst(cold)["canary_ms_per_forward"], "phase": worst(cold)["phase"],
-            "export_ms_per_forward": worst(cold)["export_ms_per_forward"],
+            "export_ms_per_forward": worst(cold).get("export_ms_per_forward"),
             "warm_canary_ms_per_forward": warm["canary_ms_per_forward"], "warm_phase": warm["phase"],
-            "warm_export_ms_per_forward": warm["export_ms_per_forward"], "violations": cold["violations"]}
+            "warm_export_ms_per_forward": warm.get("export_ms_per_forward"), "violations": cold["violations"]}
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:

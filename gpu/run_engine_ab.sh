@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Reference-engine row A/B for a Python-only change: A = an earlier commit's python/ and bench/ (.ab/srcA, from
 # `git archive <commit> python generated/python bench | tar -x -C .ab/srcA`), B = this tree, both on this tree's native
-# library (.whl), alternating A B A B in one job: bench_runtime's engine row, then B's engine profile (split of the
+# library (.whl), alternating A B A B in one job: this tree's bench_runtime (engine row cold and warm), then B's engine
+# profile (split of the
 # export), the CUDA demo JSON and the GPU tests of tests/engine and tests/e2e (`all`: every GPU test but disagg's).
 # Files in $OUT: ab_log.txt runtime_{A,B}{1,2}.json profile_engine_B.txt demo_cuda.json junit.xml.
 # Carry .whl and .ab/srcA (and .hfproto, whose transformers wheels the transformers GPU tests need).
@@ -9,8 +10,8 @@
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-side_env() {  # side_env ROOT: PYTHONPATH on ROOT's Python, the native library of the installed wheel
-  export PYTHONPATH=$1/python:$1/generated/python:/tmp/site:$1 KVCANARY_NATIVE_DIR=/tmp/site/kvcanary/_lib
+side_env() {  # side_env ROOT: PYTHONPATH on ROOT's Python and this tree's bench, the installed wheel's native library
+  export PYTHONPATH=$1/python:$1/generated/python:/tmp/site:$PWD KVCANARY_NATIVE_DIR=/tmp/site/kvcanary/_lib
 }
 {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -22,7 +23,7 @@ side_env() {  # side_env ROOT: PYTHONPATH on ROOT's Python, the native library o
     for side in A B; do
       echo "=== engine row $side$run $(date -u +%T)"
       root=$PWD; [ $side = A ] && root=$PWD/.ab/srcA
-      (side_env "$root"; cd "$root" && timeout 200 python3 -m bench.bench_runtime --device cuda --backends cuda \
+      (side_env "$root"; timeout 200 python3 -m bench.bench_runtime --device cuda --backends cuda \
         --bs 1,64 --iters 300 --config default --engine-steps 100 --out "$OUT/runtime_$side$run.json" | tail -8)
     done
   done

@@ -221,22 +221,23 @@ class Engine:
         lens = end - first
         total, t = int(lens.sum()), len(tails)
         ends = np.cumsum(lens)
-        # one host buffer, one copy (no sync): the tails' flat table indices, each tail's previous-slot index, start,
-        # length, first position and whether it has a previous slot
-        host = torch.empty(total + 5 * t, dtype=torch.int64, pin_memory=table.is_cuda)
+        cols = table.shape[1]
+        # one host buffer, one copy, one gather (no sync; only kernels the engine itself runs): the flat table
+        # indices of the tails' slots and of each tail's previous slot, then per tail its start, length, first
+        # position, whether it has a previous slot (1/0) and that minus 1 (prev = gathered * has + (has - 1))
+        host = torch.empty(total + 6 * t, dtype=torch.int64, pin_memory=table.is_cuda)
         h = host.numpy()
-        h[:total] = np.repeat(rows * table.shape[1] + first - (ends - lens), lens) + np.arange(total)
-        h[total:] = np.concatenate([rows * table.shape[1] + np.maximum(first - 1, 0), base.slots.numel() + ends - lens,
-                                    lens, first, first > 0])
+        h[:total] = np.repeat(rows * cols + first - (ends - lens), lens) + np.arange(total)
+        has = (first > 0).astype(np.int64)
+        h[total:] = np.concatenate([rows * cols + np.maximum(first - 1, 0), base.slots.numel() + ends - lens, lens,
+                                    first, has, has - 1])
         dev = host.to(table.device, non_blocking=True)
-        idx, prev_idx, starts, lens_d, first_d, has_prev = dev[:total], *dev[total:].view(5, t)
-        flat = table.view(-1)
-        # masked_fill_ takes its -1 as a kernel argument; torch.where(..., -1) copied it to the device (pageable)
-        prev = flat.index_select(0, prev_idx).masked_fill_(has_prev == 0, -1)
+        gathered = table.view(-1)[dev[:total + t]]
+        starts, lens_d, first_d, has_d, has_m1 = dev[total + t:].view(5, t)
         return CachedChains(
-            torch.cat([base.slots, flat.index_select(0, idx)]), torch.cat([base.chain_starts, starts]),
+            torch.cat([base.slots, gathered[:total]]), torch.cat([base.chain_starts, starts]),
             torch.cat([base.chain_lens, lens_d]), torch.cat([base.first_positions, first_d]),
-            torch.cat([base.prev_slots, prev]),
+            torch.cat([base.prev_slots, gathered[total:] * has_d + has_m1]),
             torch.cat([base.unlocked, torch.zeros(t, dtype=torch.bool, device=table.device)]),
             base.holders + tuple((s.rid,) for s in tails))
 

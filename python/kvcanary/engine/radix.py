@@ -253,18 +253,22 @@ class RadixCache:
         nodes = list(self.nodes())
         n = len(nodes)
         slots = torch.cat([nd.value for nd in nodes]) if nodes else _EMPTY
-        # one host buffer, one copy: rows lens, first positions, prev slots, unlocked; then the slots
-        meta = torch.empty(4 * n + slots.numel(), dtype=torch.int64, pin_memory=device.type == "cuda")
-        meta[:n] = torch.tensor([nd.value.numel() for nd in nodes], dtype=torch.int64)
-        meta[n:2 * n] = torch.tensor([nd.start for nd in nodes], dtype=torch.int64)
-        meta[2 * n:3 * n] = torch.tensor([int(nd.parent.value[-1]) if nd.parent is not None and
+        # everything computed on the host and copied at once (plain copies, no kernel the engine does not load
+        # anyway): rows lens, starts, first positions, prev slots, then the slots; the unlocked flags beside
+        pin = device.type == "cuda"
+        meta = torch.empty(4 * n + slots.numel(), dtype=torch.int64, pin_memory=pin)
+        lens = torch.tensor([nd.value.numel() for nd in nodes], dtype=torch.int64)
+        meta[:n] = lens
+        meta[n:2 * n] = torch.cumsum(lens, 0) - lens
+        meta[2 * n:3 * n] = torch.tensor([nd.start for nd in nodes], dtype=torch.int64)
+        meta[3 * n:4 * n] = torch.tensor([int(nd.parent.value[-1]) if nd.parent is not None and
                                           nd.parent is not self.root else -1 for nd in nodes], dtype=torch.int64)
-        meta[3 * n:4 * n] = torch.tensor([nd.lock_ref == 0 for nd in nodes], dtype=torch.int64)
         meta[4 * n:] = slots
+        unlocked = torch.empty(n, dtype=torch.bool, pin_memory=pin)
+        unlocked[:] = torch.tensor([nd.lock_ref == 0 for nd in nodes], dtype=torch.bool)
         on = meta.to(device, non_blocking=True)
-        lens = on[:n]
-        chains = CachedChains(on[4 * n:], torch.cumsum(lens, 0) - lens, lens, on[n:2 * n], on[2 * n:3 * n],
-                              on[3 * n:4 * n] != 0, tuple(nd.holders for nd in nodes))
+        chains = CachedChains(on[4 * n:], on[n:2 * n], on[:n], on[2 * n:3 * n], on[3 * n:4 * n],
+                              unlocked.to(device, non_blocking=True), tuple(nd.holders for nd in nodes))
         self._exported = (self.version, device, chains)
         return chains
 
