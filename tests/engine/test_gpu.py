@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import make_requests
 from engine_shadow import ShadowChecker, sequential
-from test_equivalence import check_resident_chains
 from kvcanary.engine import Engine, EngineConfig, ModelConfig
+from test_equivalence import check_resident_chains
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
