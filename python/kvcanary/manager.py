@@ -85,6 +85,8 @@ class CanaryManager:
         self.state = CanaryState(pool, config, self.backend)
         self.prefix_cache = prefix_cache
         self.sweeper = Sweeper(self.state, self.backend, config.sweep_unlocked_only)
+        if self._rolling:
+            self.sweeper.warm_up()
         self.perturber = Perturber(self.state, config.perturb, config.fingerprint)
         self.sinks = [LogSink(config.log_rate_limit), self.metrics]
         if config.jsonl_path:

@@ -137,3 +137,32 @@ def test_rolling_sweep_covers_every_cached_slot_once_per_pass() -> None:
     assert sum(per_forward) == 2 * cached  # TAIL records + HEAD seal, each cached slot once
     assert max(per_forward) <= 2 * 8 and int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]) > start
     assert not m.health.problems and all(r.total == 0 for r in m.reports)
+
+
+def _rolled_counters(garbage: bool) -> torch.Tensor:
+    """Counters after a rolling pass over five cached chains; ``garbage``: the inverse map scrambled first."""
+    eng = FakeEngine()
+    m = install(eng, CanaryConfig(stats_interval=0, sweep_slice=8))
+    if garbage:
+        m.state.sweep_inv.fill_(12345)
+    for i in range(5):
+        eng.add(f"c{i}", [20 + i, 30 + i, 40 + i, 50 + i])
+    run(eng, m, 1)
+    for i in range(5):
+        eng.finish(f"c{i}")
+    for k in range(-(-eng.num_slots // 8)):
+        eng.add(f"t{k}", [7])
+        run(eng, m, 1)
+        eng.finish(f"t{k}", cache=False)
+    assert not m.health.problems and all(r.total == 0 for r in m.reports)
+    return m.state.sink.counters.clone()
+
+
+def test_rolling_sweep_warm_up_at_install_leaves_nothing_behind() -> None:
+    """install derives once from a one-slot export (CUDA loads the derive's kernels then, not in a forward): slot 0
+    maps to entry 0, nothing else is mapped and nothing is kept; whatever a derive leaves, the next one rewrites."""
+    eng = FakeEngine()
+    m = install(eng, CanaryConfig(stats_interval=0, sweep_slice=8))
+    inv = m.state.sweep_inv
+    assert m.sweeper._derived is None and int(inv[0]) == 0 and bool((inv[1:] == -1).all())
+    assert torch.equal(_rolled_counters(garbage=True), _rolled_counters(garbage=False))
