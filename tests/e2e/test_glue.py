@@ -9,7 +9,7 @@ import torch
 from kvcanary import campaign as C
 from kvcanary.config import CanaryConfig, CanaryMode
 from kvcanary.engine import FaultConfig, ForwardBatch, PoolKind, RecordingHooks, Request
-from kvcanary.engine.canary import NO_TRUE_TOKEN, EngineCanary, batch_view, pool_description, prefix_cache_export
+from kvcanary.engine.canary import NO_TRUE_TOKEN, EngineCanary, batch_view, pool_description
 from kvcanary.report import CanaryViolationError
 from kvcanary_schema import NO_SLOT, Group, RecordField
 
@@ -65,14 +65,17 @@ def test_prefix_cache_export_and_draft_boundaries() -> None:
     engine = C.build_engine((("spec_num_draft", 2), ("chunk_size", 8)), spec=True)
     rng = random.Random(2)
     C.shared_waves(engine, rng)
-    target = prefix_cache_export(engine, PoolKind.TARGET)
-    draft = prefix_cache_export(engine, PoolKind.DRAFT)
+    # the exports the managers' sweeps read
+    export = {k: m.prefix_cache for k, m in EngineCanary(engine, C.canary_config("cpu")).managers.items()}
+    target, draft = export[PoolKind.TARGET](), export[PoolKind.DRAFT]()
     assert target is not None and draft is not None and target.num_chains > 1
     heads = target.prev_slots == NO_SLOT
     assert torch.equal(draft.prev_slots[heads], target.prev_slots[heads])
     assert bool((draft.prev_slots[~heads] == engine.config.num_slots).all())
     assert torch.equal(draft.slots, target.slots)
-    assert prefix_cache_export(C.build_engine((("enable_prefix_cache", False),))) is None
+    assert export[PoolKind.DRAFT]() is draft  # an unchanged cache: the same export (nothing derived again)
+    no_cache = EngineCanary(C.build_engine((("enable_prefix_cache", False),)), C.canary_config("cpu"))
+    assert all(m.prefix_cache is None or m.prefix_cache() is None for m in no_cache.managers.values())
 
 
 def test_freed_slots_are_invalidated(backend: str) -> None:

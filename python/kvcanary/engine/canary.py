@@ -75,14 +75,9 @@ def batch_view(batch: ForwardBatch) -> BatchView:
                                         batch.token_offset))
 
 
-def prefix_cache_export(engine: Engine, kind: PoolKind = PoolKind.TARGET) -> PrefixCacheExport | None:
-    """The engine's radix cache (and, in the target pool, the running requests' uncached KV) as the sweep's chain
-    export (None without a prefix cache)."""
-    chains = _engine_chains(engine, kind)
-    return None if chains is None else _chains_export(engine, kind, chains)
-
-
 def _engine_chains(engine: Engine, kind: PoolKind) -> CachedChains | None:
+    """The engine's radix cache (and, in the target pool, the running requests' uncached KV) as chains (None without a
+    prefix cache)."""
     if engine.radix is None:
         return None
     # the target pool's export also holds every running request's KV outside the cache (a sweep reaches it)
@@ -90,7 +85,9 @@ def _engine_chains(engine: Engine, kind: PoolKind) -> CachedChains | None:
 
 
 def _chains_export(engine: Engine, kind: PoolKind, c: CachedChains) -> PrefixCacheExport:
-    """In the draft pool (token offset 1) a node's last record holds the first token of whichever child wrote it
+    """``c`` as the sweep's chain export of pool ``kind``.
+
+    In the draft pool (token offset 1) a node's last record holds the first token of whichever child wrote it
     first, so links across node boundaries are not content-determined there: the draft export gives non-root
     chains a predecessor that does not resolve (verify then skips that one link, uncounted, per the contract)."""
     prev = c.prev_slots
@@ -205,8 +202,8 @@ class EngineCanary:
     # ------------------------------------------------------------------ results
 
     def _export(self, kind: PoolKind) -> PrefixCacheExport | None:
-        """The pool's prefix-cache export: the same object while the engine returns the same chains (the rolling
-        sweep then derives nothing new)."""
+        """The pool's prefix-cache export (each manager's ``prefix_cache``; None without a prefix cache): the same
+        object while the engine returns the same chains (the rolling sweep then derives nothing new)."""
         t0 = time.perf_counter()
         chains = _engine_chains(self.engine, kind)
         last = self._exports.get(kind)
