@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
 from kvcanary_schema import NUM_COUNTER_COLS, NUM_LAUNCH_TAGS, CounterCol, LaunchTag, PlanStatusCol
 
 from kvcanary.errors import KVCanaryError
+from kvcanary.rows import RequestRows
 
 logger = logging.getLogger("kvcanary")
 
@@ -32,22 +33,31 @@ class Coverage:
 
     live: dict[Hashable, int] = field(default_factory=dict)  # request -> prefix length at its last forward
     verified: dict[Hashable, int] = field(default_factory=dict)  # request -> distinct prefix slots verified
+    # FULL policy: every row that ran after forward `since` had its whole prefix verified (kept per row, not observed
+    # per request)
+    rows: RequestRows | None = None
+    since: int = 0
 
     def observe(self, request: Hashable, prefix_len: int, newly_verified: int) -> None:
         """Account one forward of one request (``newly_verified``: distinct older slots this forward reached)."""
         self.live[request] = prefix_len
         self.verified[request] = min(prefix_len, self.verified.get(request, 0) + newly_verified)
 
-    def observe_all(self, requests: Sequence[Hashable], prefix_lens: Sequence[int]) -> None:
-        """:meth:`observe` of requests whose whole prefix was verified (FULL policy), in bulk."""
-        seen = dict(zip(requests, prefix_lens, strict=True))
-        self.live.update(seen)
-        self.verified.update(seen)
+    def live_slots(self) -> int:
+        """Live prefix slots of the window."""
+        return sum(self.live.values()) + self._whole()
 
     def fraction(self) -> float:
         """Fraction of live slots verified at least once in the window (1.0 when nothing is live)."""
-        live = sum(self.live.values())
-        return 1.0 if live == 0 else sum(self.verified.values()) / live
+        live = self.live_slots()
+        return 1.0 if live == 0 else (sum(self.verified.values()) + self._whole()) / live
+
+    def next_window(self, step: int) -> Coverage:
+        """An empty window after forward ``step``."""
+        return Coverage(rows=self.rows, since=step)
+
+    def _whole(self) -> int:
+        return 0 if self.rows is None else self.rows.live_slots(self.since)
 
 
 class Health:
@@ -107,12 +117,12 @@ class Health:
         written = int(delta[:, CounterCol.ENTRIES_WRITTEN].sum())
         active = int((delta[:, CounterCol.VERIFY_RUNS] + delta[:, CounterCol.WRITE_RUNS] > 0).sum())
         line = (f"kvcanary stats: step={step} coverage={self.coverage.fraction():.3f} "
-                f"live_slots={sum(self.coverage.live.values())} checked={checked} written={written} "
+                f"live_slots={self.coverage.live_slots()} checked={checked} written={written} "
                 f"violations={int(delta[:, CounterCol.VIOLATIONS].sum())} (total {violations_total}) "
                 f"input_errors={int(delta[:, CounterCol.INPUT_ERRORS].sum())} "
                 f"skipped={int(delta[:, CounterCol.SKIPPED].sum())} sweeps_completed={sweeps_completed} "
                 f"tags_active={active}/{NUM_LAUNCH_TAGS}")
-        self.coverage = Coverage()
+        self.coverage = self.coverage.next_window(step)
         self.last_stats_line = line
         return line
 

@@ -331,8 +331,7 @@ class CanaryManager:
     def _prune(self, step: int, horizon: int = 4096) -> None:
         if step % horizon:
             return
-        stale = [rid for rid, seen in self.upload.last_seen.items() if step - seen > horizon]
-        for rid in stale:
+        for rid in self.upload.requests.stale(step, horizon):
             self.release(rid)
         self.reporter.prune()
 

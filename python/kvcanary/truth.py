@@ -187,10 +187,12 @@ class BatchTruth:
 
 
 class RowChains:
-    """Token truth in bulk: per slot-table row, its request, the chain value of that request's true history and the
-    true tokens consumed (numpy arrays). A forward whose requests continue where their rows left off is hashed with
-    a few vectorized numpy ops (no Python step per request); other requests (new, moved, rewound) catch up one by one
-    through :func:`chain_truth`, which stays the oracle."""
+    """Token truth in bulk: per slot-table row, the chain value of its request's true history and the true tokens
+    consumed (numpy arrays). The row state belongs to the row's current request: the caller resets a row when another
+    request claims it (:class:`~kvcanary.rows.RequestRows`), to the empty chain. A forward whose requests continue
+    where their rows left off is hashed with a few vectorized numpy ops (no Python step per request); other requests
+    (rewound, or past a prefix the row never saw) catch up one by one through :func:`chain_truth`, which stays the
+    oracle."""
 
     def __init__(self, rows: int, offset: int = 0, step: Callable[..., int] | None = None,
                  decode: Callable[..., int] | None = None) -> None:
@@ -202,26 +204,23 @@ class RowChains:
         self.decode = decode
         self.h = np.full(rows, H.CHAIN_H0, dtype=_U64)
         self.n = np.zeros(rows, dtype=np.int64)
-        self.owner = np.full(rows, None, dtype=object)
-        self._row: dict[Hashable, int] = {}
         self._pw = _Powers()
 
-    def drop(self, key: Hashable) -> None:
-        """Forget ``key``'s row state (finished or retracted request); unknown keys are ignored."""
-        row = self._row.pop(key, None)
-        if row is not None and self.owner[row] == key:
-            self.owner[row] = None
+    def reset(self, rows: Sequence[int] | np.ndarray) -> None:
+        """Rows now held by another request (or none): back to the empty chain."""
+        self.h[rows] = H.CHAIN_H0
+        self.n[rows] = 0
 
-    def forward(self, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
+    def forward(self, rows: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
                 new_tokens: np.ndarray | None, histories: Sequence[Sequence[int]] | None) -> BatchTruth:
         """Expected chains of one forward and the state advanced past its new tokens.
 
-        ``rows``/``pre``/``ext`` int64 [bs], ``keys`` object [bs], ``live`` bool [bs] (False: padding, untouched);
-        ``new_tokens`` int64 [num_tokens], flat like input_ids: the true token of each new position p (the
-        history's token at p + offset), negative where unknown; ``histories`` the true histories (for catch-up).
+        ``rows``/``pre``/``ext`` int64 [bs], ``live`` bool [bs] (False: padding, untouched); ``new_tokens`` int64
+        [num_tokens], flat like input_ids: the true token of each new position p (the history's token at p + offset),
+        negative where unknown; ``histories`` the true histories (for catch-up).
         """
         bs = rows.shape[0]
-        fast = live & (self.owner[rows] == keys) & (self.n[rows] == pre + self.offset)
+        fast = live & (self.n[rows] == pre + self.offset)
         if new_tokens is not None and all_set(fast) and all_set(ext == 1):
             return self._decode(rows, pre, new_tokens[:bs])
         out = BatchTruth(np.zeros(bs, np.int64), np.zeros(bs, np.int64), np.zeros(bs, bool), np.zeros(bs, bool))
@@ -230,20 +229,20 @@ class RowChains:
         else:
             fast[:] = False
         for i in np.flatnonzero(live & ~fast).tolist():
-            self._catch_up(i, int(rows[i]), keys[i], int(pre[i]), int(ext[i]),
-                           None if histories is None else histories[i], out)
+            self._catch_up(i, int(rows[i]), int(pre[i]), int(ext[i]), None if histories is None else histories[i],
+                           out)
         return out
 
-    def decode_into(self, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
+    def decode_into(self, rows: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
                     new_tokens: np.ndarray | torch.Tensor, out: np.ndarray) -> int | None:
-        """A steady decode in one native call: when every live request owns its row, continues where the row left
-        off and has one new token, write the staging rows ``out[:, :bs]`` (expect_prefix, expect_new, flag mask,
-        stripe end 0, reuse end 0) and advance the rows; return how many live rows' new token is unknown. None
-        otherwise (nothing changed: take :meth:`forward`)."""
+        """A steady decode in one native call: when every live request continues where its row left off and has one
+        new token, write the staging rows ``out[:, :bs]`` (expect_prefix, expect_new, flag mask, stripe end 0, reuse
+        end 0) and advance the rows; return how many live rows' new token is unknown. None otherwise (nothing changed:
+        take :meth:`forward`)."""
         if self.decode is None:
             return None
-        owned = self.owner[rows] == keys
-        got = self.decode(rows, pre, ext, new_tokens, live, owned, self.h.view(np.int64), self.n, self.offset, out)
+        # the native op's `owned` mask: every live row is its request's (the caller's claims reset the others)
+        got = self.decode(rows, pre, ext, new_tokens, live, live, self.h.view(np.int64), self.n, self.offset, out)
         if got == _BAD_VALUE:
             raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
         return None if got < 0 else got
@@ -312,26 +311,13 @@ class RowChains:
         if tok.size and (int(tok.max()) >= TOKEN_LIMIT or int(pos.max()) >= TOKEN_LIMIT):
             raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
 
-    def _catch_up(self, i: int, row: int, key: Hashable, pre: int, ext: int, history: Sequence[int] | None,
-                  out: BatchTruth) -> None:
-        """One request through chain_truth, seeded with its row state when the row is still its own."""
+    def _catch_up(self, i: int, row: int, pre: int, ext: int, history: Sequence[int] | None, out: BatchTruth) -> None:
+        """One request through chain_truth, seeded with its row's state."""
         if history is None:
             return
         scratch = ChainHasher(self.offset)
-        if self.owner[row] == key:
-            scratch._state[key] = (int(self.h[row]), int(self.n[row]))
-        ep, en = chain_truth(scratch, key, history, pre, ext, self.offset)
-        self._claim(row, key)
-        self.h[row], self.n[row] = scratch.value(key), scratch.length(key)
+        scratch._state[row] = (int(self.h[row]), int(self.n[row]))
+        ep, en = chain_truth(scratch, row, history, pre, ext, self.offset)
+        self.h[row], self.n[row] = scratch.value(row), scratch.length(row)
         out.expect_prefix[i], out.prefix_known[i] = ep or 0, ep is not None
         out.expect_new[i], out.new_known[i] = en or 0, en is not None
-
-    def _claim(self, row: int, key: Hashable) -> None:
-        old = self._row.get(key)
-        if old is not None and old != row and self.owner[old] == key:
-            self.owner[old] = None
-        prev = self.owner[row]
-        if prev is not None and prev != key:
-            self._row.pop(prev, None)
-        self.owner[row] = key
-        self._row[key] = row

@@ -16,9 +16,10 @@ from kvcanary.errors import KVCanaryInternalError
 from kvcanary.health import Health
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.stage_batch import BatchStager
+from kvcanary.rows import RequestRows
 from kvcanary.state import CanaryState
 from kvcanary.stripes import Stripes
-from kvcanary.truth import BatchTruth, RowChains, all_set
+from kvcanary.truth import BatchTruth, RowChains
 
 KEEP_ALL = -1  # flag mask keeping every PlanFlag bit
 NO_PREFIX = ~int(PlanFlag.EXPECT_PREFIX)
@@ -60,8 +61,10 @@ class Upload:
         self.chains = self._row_chains(pool.token_offset)
         self.stripes = Stripes(config.stripe_size, config.window_links) \
             if config.coverage == CoveragePolicy.WINDOW else None
-        self.last_seen: dict[Hashable, int] = {}
-        self.pool_rows: dict[Hashable, tuple[int, int]] = {}  # POOL truth: request -> (row, tokens uploaded)
+        self.requests = RequestRows(pool.req_rows)
+        if self.stripes is None:  # FULL policy: every running request's prefix is verified whole
+            health.coverage.rows = self.requests
+        self.pool_done = np.zeros(pool.req_rows, dtype=np.int64)  # POOL truth: per row, true tokens uploaded
         self._host = [u.numpy() for u in state.upload]  # the staging rows, filled here and read by stage()
         self._index = 0  # the staging row the next upload() fills
         self._filled = 0  # the staging row the last upload() filled
@@ -106,48 +109,41 @@ class Upload:
         self._index ^= 1
         if self._copied:
             self._copied[k].synchronize()
-        if not capture and self._steady(batch, rows, keys, live, pre, ext, self._host[k]):
-            # no request is new (each owns its row), no stripes: only the seen steps are left
-            self.any_new = False
-            self._note_seen(keys, live, pre, step, capture)
+        claims = np.flatnonzero(self.requests.unclaimed(rows, keys, live))
+        if claims.size == 0 and not capture and self._steady(batch, rows, live, pre, ext, self._host[k]):
+            self.any_new = False  # every request holds its row and continues it, no stripes
         else:
             out = self._host[k][:, :bs]
             out[3:] = 0  # stripe and reuse ends; _truth writes rows 0-2
-            self._seen(keys, live, pre, step, capture, out[4])
+            self._claim(rows, keys, claims, pre, capture, out[4])
             if self.stripes is not None:
                 self._stripe_ends(keys, live, pre, capture, out[3])
-            self._truth(batch, rows, keys, live, pre, ext, out)
+            self._truth(batch, rows, live, pre, ext, out)
+        if not capture:
+            self.requests.ran(rows, live, pre, step)
 
-    def _steady(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray,
-                ext: np.ndarray, staging: np.ndarray) -> bool:
+    def _steady(self, batch: BatchView, rows: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
+                staging: np.ndarray) -> bool:
         """A steady decode's staging rows in one native call (RowChains.decode_into); False where it does not apply
         (nothing changed)."""
         if self.stripes is not None or batch.true_new_tokens is None or batch.expected_chains is not None or \
                 self.config.token_truth != TokenTruth.CHAIN or self._offset(batch) != self.chains.offset:
             return False
-        return self.chains.decode_into(rows, keys, live, pre, ext, host_array(batch.true_new_tokens),
-                                       staging) is not None
+        return self.chains.decode_into(rows, live, pre, ext, host_array(batch.true_new_tokens), staging) is not None
 
-    def _seen(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, step: int, capture: bool,
-              reuse_end: np.ndarray) -> None:
-        """Last-seen steps; a request's first forward verifies its whole reused prefix (reuse end = prefix)."""
-        ids = keys.tolist() if all_set(live) else keys[live].tolist()
-        new = set(ids).difference(self.last_seen)
-        self.any_new = bool(new) and not capture
-        if self.any_new:
-            is_new = live & np.fromiter((k in new for k in keys), dtype=bool, count=keys.shape[0])
-            reuse_end[is_new] = pre[is_new]
-        self._note_seen(keys, live, pre, step, capture, ids)
-
-    def _note_seen(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, step: int, capture: bool,
-                   ids: list[Hashable] | None = None) -> None:
-        """Last-seen steps of the live requests and, under the FULL policy, their verified prefixes (coverage)."""
-        every = all_set(live)
-        if ids is None:
-            ids = keys.tolist() if every else keys[live].tolist()
-        self.last_seen.update(dict.fromkeys(ids, step))
-        if self.stripes is None and not capture:
-            self.health.coverage.observe_all(ids, (pre if every else pre[live]).tolist())
+    def _claim(self, rows: np.ndarray, keys: np.ndarray, claims: np.ndarray, pre: np.ndarray, capture: bool,
+               reuse_end: np.ndarray) -> None:
+        """Rows taken by requests new to them (their row state reset); a request's first forward verifies its whole
+        reused prefix (reuse end = prefix)."""
+        self.any_new = False
+        if claims.size == 0:
+            return
+        new, reset = self.requests.claim(rows, keys, claims)
+        self._reset(reset)
+        fresh = claims[new]
+        if fresh.size and not capture:
+            self.any_new = True
+            reuse_end[fresh] = pre[fresh]
 
     def _stripe_ends(self, keys: np.ndarray, live: np.ndarray, pre: np.ndarray, capture: bool,
                      out: np.ndarray) -> None:
@@ -157,17 +153,17 @@ class Upload:
         for i in np.flatnonzero(live).tolist():
             out[i] = self.stripes.end(keys[i], int(pre[i]), cov)
 
-    def _truth(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray,
-               ext: np.ndarray, out: np.ndarray) -> None:
+    def _truth(self, batch: BatchView, rows: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
+               out: np.ndarray) -> None:
         """EXPECT_PREFIX / EXPECT_NEW values and flag mask (CHAIN), or the token pool rows (POOL)."""
         cfg = self.config
         if cfg.token_truth != TokenTruth.CHAIN:
             out[:2], out[2] = 0, NO_PREFIX & NO_NEW
             if cfg.token_truth == TokenTruth.POOL and batch.true_tokens is not None:
-                self._pool_truth(batch, rows, keys, live, pre, ext)
+                self._pool_truth(batch, rows, live, pre, ext)
             return
         offset = self._offset(batch)
-        if offset != self.chains.offset:
+        if offset != self.chains.offset:  # every row's chain restarts (the rows' requests stay theirs)
             self.chains = self._row_chains(offset)
         if batch.expected_chains is not None:
             t = _given_chains(batch.expected_chains, live)
@@ -175,7 +171,7 @@ class Upload:
             t = BatchTruth(*(np.zeros(rows.shape[0], dt) for dt in (np.int64, np.int64, bool, bool)))
         else:
             new = None if batch.true_new_tokens is None else host_i64(batch.true_new_tokens)
-            t = self.chains.forward(rows, keys, live, pre, ext, new, batch.true_tokens)
+            t = self.chains.forward(rows, live, pre, ext, new, batch.true_tokens)
         out[0], out[1] = t.expect_prefix, t.expect_new
         drop_pre = live & (pre > 0) & ~t.prefix_known
         drop_new = live & ~t.new_known
@@ -192,9 +188,10 @@ class Upload:
         return RowChains(self.pool.req_rows, offset, *((None, None) if native is None else
                                                        (native.hash_chain_step, native.truth_decode)))
 
-    def _pool_truth(self, batch: BatchView, rows: np.ndarray, keys: np.ndarray, live: np.ndarray,
-                    pre: np.ndarray, ext: np.ndarray) -> None:
-        """Append each request's not yet uploaded true tokens to its expected-token pool row (per request)."""
+    def _pool_truth(self, batch: BatchView, rows: np.ndarray, live: np.ndarray, pre: np.ndarray,
+                    ext: np.ndarray) -> None:
+        """Append each row's not yet uploaded true tokens to its expected-token pool row (per row: its request's
+        progress, reset when another request claims it)."""
         st = self.state
         if st.token_pool is None or batch.true_tokens is None:
             raise KVCanaryInternalError("st.token_pool is unset: an invariant of the bracket was broken")
@@ -202,13 +199,10 @@ class Upload:
         width = st.token_pool.tokens.shape[1]
         reqs: list[tuple[int, int, int, Sequence[int]]] = []
         for i in np.flatnonzero(live).tolist():
-            rid, row, hist = keys[i], int(rows[i]), batch.true_tokens[i]
-            prev_row, done = self.pool_rows.get(rid, (row, 0))
-            if prev_row != row:
-                done = 0
+            row, hist = int(rows[i]), batch.true_tokens[i]
             upto = min(len(hist), int(pre[i] + ext[i]) + offset, width)
-            start = min(done, upto)
-            self.pool_rows[rid] = (row, upto)
+            start = min(int(self.pool_done[row]), upto)
+            self.pool_done[row] = upto
             reqs.append((row, start, upto - start, hist[start:upto]))
         if reqs:
             self._scatter(reqs)
@@ -225,12 +219,17 @@ class Upload:
         scatter_tokens(st.token_pool, meta[0], meta[1], meta[2], tokens, st.scatter_status, backend=self.backend)
 
     def release(self, rid: Hashable) -> None:
-        """Forget a finished request's token truth, stripe cursor and last-seen step."""
-        self.chains.drop(rid)
-        self.pool_rows.pop(rid, None)
-        self.last_seen.pop(rid, None)
+        """Forget a finished request: its row, token truth and stripe cursor."""
+        row = self.requests.drop(rid)
+        if row is not None:
+            self._reset([row])
         if self.stripes is not None:
             self.stripes.drop(rid)
+
+    def _reset(self, rows: list[int]) -> None:
+        """Per-row truth state of rows that changed hands: the empty chain, no true token uploaded."""
+        self.chains.reset(rows)
+        self.pool_done[rows] = 0
 
 
 def _given_chains(given: Sequence[tuple[int | None, int | None]], live: np.ndarray) -> BatchTruth:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
+from kvcanary.rows import RequestRows
 from kvcanary.truth import BatchTruth, ChainHasher, RowChains, chain_g_np, chain_truth
 from kvcanary.upload import KEEP_ALL, NO_NEW
 
@@ -36,12 +37,12 @@ def _native_chains(rows: int, offset: int = 0) -> RowChains:
     return RowChains(rows, offset, cpu.hash_chain_step, cpu.truth_decode)
 
 
-def _steady_truth(chains: RowChains, rows: np.ndarray, keys: np.ndarray, live: np.ndarray, pre: np.ndarray,
-                  ext: np.ndarray, new: np.ndarray) -> BatchTruth | None:
+def _steady_truth(chains: RowChains, rows: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
+                  new: np.ndarray) -> BatchTruth | None:
     """decode_into's staging rows read back as a BatchTruth (None: it declined, and must have changed nothing)."""
     before = (chains.h.copy(), chains.n.copy())
     staging = np.full((5, rows.shape[0] + 3), 7, np.int64)  # wider than the batch: columns past it stay untouched
-    unknown = chains.decode_into(rows, keys, live, pre, ext, new, staging)
+    unknown = chains.decode_into(rows, live, pre, ext, new, staging)
     if unknown is None:
         assert (staging == 7).all() and (chains.h == before[0]).all() and (chains.n == before[1]).all()
         return None
@@ -64,6 +65,7 @@ def test_row_chains_equal_chain_hasher(steps: list[list[tuple[int, int, int, boo
     oracle = ChainHasher(offset)
     chains = _native_chains(ROWS, offset) if native == "decode" else \
         RowChains(ROWS, offset, _native.module("cpu").hash_chain_step if native == "step" else None)
+    requests = RequestRows(ROWS)  # the rows' owners, as Upload keeps them
     for fwd in steps:
         seen: dict[int, tuple[int, int, int]] = {}
         for key, row, ext, rewind in fwd:
@@ -80,9 +82,11 @@ def test_row_chains_equal_chain_hasher(steps: list[list[tuple[int, int, int, boo
                for k, p, e, n in zip(keys, pre.tolist(), ext.tolist(), known, strict=True) for j in range(e)]
         histories = [hist[k] for k in keys]
         karr, live = np.array(keys, dtype=object), np.ones(len(keys), bool)
-        got = _steady_truth(chains, rows, karr, live, pre, ext, np.array(new, np.int64)) if bulk else None
+        claims = np.flatnonzero(requests.unclaimed(rows, karr, live))
+        chains.reset(requests.claim(rows, karr, claims)[1])
+        got = _steady_truth(chains, rows, live, pre, ext, np.array(new, np.int64)) if bulk and not claims.size else None
         if got is None:
-            got = chains.forward(rows, karr, live, pre, ext, np.array(new, np.int64) if bulk else None, histories)
+            got = chains.forward(rows, live, pre, ext, np.array(new, np.int64) if bulk else None, histories)
         for i, k in enumerate(keys):
             ep, en = chain_truth(oracle, k, hist[k], int(pre[i]), int(ext[i]), offset)
             assert (bool(got.prefix_known[i]), int(got.expect_prefix[i]) if got.prefix_known[i] else None) == \
@@ -94,49 +98,49 @@ def test_row_chains_equal_chain_hasher(steps: list[list[tuple[int, int, int, boo
 
 def test_padding_rows_are_left_alone() -> None:
     chains = RowChains(4)
-    got = chains.forward(np.array([0, 1]), np.array([None, "a"], dtype=object), np.array([False, True]),
-                         np.array([0, 0]), np.array([2, 2]), np.array([5, 6, 7, 8]), [(), (7, 8)])
+    got = chains.forward(np.array([0, 1]), np.array([False, True]), np.array([0, 0]), np.array([2, 2]),
+                         np.array([5, 6, 7, 8]), [(), (7, 8)])
     assert not got.prefix_known.any() and got.new_known.tolist() == [False, True]
-    assert chains.owner[0] is None and chains.owner[1] == "a"
+    assert (chains.h[0], chains.n[0]) == (H.CHAIN_H0, 0) and chains.n[1] == 2
 
 
 @pytest.mark.parametrize("native", [False, True])
 def test_bad_true_token_raises(native: bool) -> None:
     chains = RowChains(2, step=_native.module("cpu").hash_chain_step if native else None)
-    chains.forward(np.array([1]), np.array(["a"], dtype=object), np.array([True]), np.array([0]), np.array([1]),
-                   None, [(3,)])
+    chains.forward(np.array([1]), np.array([True]), np.array([0]), np.array([1]), None, [(3,)])
     with pytest.raises(CanaryInputError):
-        chains.forward(np.array([1]), np.array(["a"], dtype=object), np.array([True]), np.array([1]),
-                       np.array([1]), np.array([1 << 31]), [(3,)])
+        chains.forward(np.array([1]), np.array([True]), np.array([1]), np.array([1]), np.array([1 << 31]), [(3,)])
 
 
-def test_drop_forgets_the_row() -> None:
-    chains = RowChains(2)
-    chains.forward(np.array([1]), np.array(["a"], dtype=object), np.array([True]), np.array([0]), np.array([1]),
-                   None, [(3,)])
-    chains.drop("a")
-    assert chains.owner[1] is None
-    chains.drop("missing")
+def test_reset_row_restarts_from_the_empty_chain() -> None:
+    """A row another request claimed: its old chain is never continued; the new request catches up from its history
+    (prefix) or continues the empty chain (no prefix)."""
+    chains, oracle = RowChains(3), ChainHasher()
+    chains.forward(np.array([1, 2]), np.ones(2, bool), np.array([0, 0]), np.array([2, 2]), None, [(3, 4), (5, 6)])
+    chains.reset([1, 2])
+    assert chains.n[1:].tolist() == [0, 0] and (chains.h[1:] == np.uint64(H.CHAIN_H0)).all()
+    # row 1: a new request with a 2-token cached prefix of its own history; row 2: a new request with no prefix
+    got = chains.forward(np.array([1, 2]), np.ones(2, bool), np.array([2, 0]), np.array([1, 1]),
+                         np.array([9, 7]), [(8, 8, 9), (7,)])
+    assert got.expect_prefix[0] == H.to_i64(oracle.extend("x", [8, 8], 0))
+    assert got.expect_new.tolist() == [H.to_i64(oracle.extend("x", [9], 2)), H.to_i64(oracle.extend("y", [7], 0))]
 
 
-def _decoding(chains: RowChains, keys: list[str], first: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Claim rows 1.. for ``keys`` with a one-token prefill each (token ``first[i]``); returns (rows, key array)."""
-    rows = np.arange(1, len(keys) + 1, dtype=np.int64)
-    karr = np.array(keys, dtype=object)
-    chains.forward(rows, karr, np.ones(len(keys), bool), np.zeros(len(keys), np.int64), np.ones(len(keys), np.int64),
-                   None, [[t] for t in first])
-    return rows, karr
+def _decoding(chains: RowChains, n: int, first: list[int]) -> np.ndarray:
+    """Rows 1..n decoding, each after a one-token prefill (token ``first[i]``); returns the rows."""
+    rows = np.arange(1, n + 1, dtype=np.int64)
+    chains.forward(rows, np.ones(n, bool), np.zeros(n, np.int64), np.ones(n, np.int64), None, [[t] for t in first])
+    return rows
 
 
 def test_steady_decode_skips_padding_rows_and_counts_unknown_tokens() -> None:
     chains, oracle = _native_chains(5), ChainHasher()
-    rows, karr = _decoding(chains, ["a", "b", "c"], [11, 12, 13])
+    _decoding(chains, 3, [11, 12, 13])
     for k, t in zip("abc", (11, 12, 13), strict=True):
         oracle.extend(k, [t], 0)
-    # a padding row (row 0, key None, two tokens) between live rows; c's new token is unknown
-    rows2, keys2 = np.array([1, 0, 2, 3]), np.array(["a", None, "b", "c"], dtype=object)
-    live = np.array([True, False, True, True])
-    got = _steady_truth(chains, rows2, keys2, live, np.array([1, 0, 1, 1]), np.array([1, 2, 1, 1]),
+    # a padding row (row 0, two tokens) between live rows; c's new token is unknown
+    rows2, live = np.array([1, 0, 2, 3]), np.array([True, False, True, True])
+    got = _steady_truth(chains, rows2, live, np.array([1, 0, 1, 1]), np.array([1, 2, 1, 1]),
                         np.array([21, 99, 99, 22, -1]))
     assert got is not None
     assert got.expect_prefix.tolist() == [H.to_i64(oracle.value("a")), 0, H.to_i64(oracle.value("b")),
@@ -147,38 +151,36 @@ def test_steady_decode_skips_padding_rows_and_counts_unknown_tokens() -> None:
     assert chains.n[1:4].tolist() == [2, 2, 1] and chains.h[0] == np.uint64(H.CHAIN_H0)  # padding row untouched
 
 
-@pytest.mark.parametrize("case", ["not owned", "two new tokens", "rewound", "row out of range", "too few tokens",
+@pytest.mark.parametrize("case", ["reset row", "two new tokens", "rewound", "row out of range", "too few tokens",
                                   "negative extend"])
 def test_steady_decode_declines_without_changing_anything(case: str) -> None:
     chains = _native_chains(4)
-    rows, karr = _decoding(chains, ["a", "b"], [5, 6])
+    rows = _decoding(chains, 2, [5, 6])
     pre, ext, new = np.array([1, 1]), np.array([1, 1]), np.array([7, 8])
-    if case == "not owned":
-        karr = np.array(["a", "z"], dtype=object)
+    if case == "reset row":  # another request claimed row 2
+        chains.reset([2])
     elif case == "two new tokens":
         ext, new = np.array([1, 2]), np.array([7, 8, 9])
     elif case == "rewound":
         pre = np.array([1, 0])
     elif case == "row out of range":
         rows = np.array([1, 9])
-        chains.owner = np.concatenate([chains.owner, np.full(8, None, dtype=object)])
-        chains.owner[9] = "b"
     elif case == "too few tokens":
         new = np.array([7])
     else:
         ext = np.array([1, -1])
-    assert _steady_truth(chains, rows, karr, np.ones(2, bool), pre, ext, new) is None
+    assert _steady_truth(chains, rows, np.ones(2, bool), pre, ext, new) is None
 
 
 @pytest.mark.parametrize("bad", ["token", "position"])
 def test_steady_decode_bad_value_raises_before_any_write(bad: str) -> None:
     chains = _native_chains(3)
-    rows, karr = _decoding(chains, ["a", "b"], [5, 6])
+    rows = _decoding(chains, 2, [5, 6])
     before = chains.h.copy()
     new = np.array([7, 1 << 31]) if bad == "token" else np.array([7, 8])
     if bad == "position":
         chains.n[2] = 1 << 31  # the row claims a prefix past the position limit
     pre = np.array([1, 1 << 31]) if bad == "position" else np.array([1, 1])
     with pytest.raises(CanaryInputError):
-        chains.decode_into(rows, karr, np.ones(2, bool), pre, np.array([1, 1]), new, np.zeros((5, 2), np.int64))
+        chains.decode_into(rows, np.ones(2, bool), pre, np.array([1, 1]), new, np.zeros((5, 2), np.int64))
     assert (chains.h == before).all()

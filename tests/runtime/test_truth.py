@@ -50,7 +50,7 @@ def test_pool_truth_appends_incrementally() -> None:
     r = eng.reqs["r0"]
     assert tp.tokens[r.row, : r.kv_len].tolist() == r.history[: r.kv_len]
     assert int(tp.lens[r.row]) == r.kv_len
-    assert m.upload.pool_rows["r0"] == (r.row, r.kv_len)  # only the new tokens were appended each forward
+    assert m.upload.pool_done[r.row] == r.kv_len  # only the new tokens were appended each forward
 
 
 def test_no_truth_given_means_no_false_positive() -> None:
