@@ -6,6 +6,7 @@
 
 #include "core/stage_batch.cuh"
 #include "core/tensor_checks.h"
+#include "core/truth_decode.h"
 #include "cuda/cuda_common.cuh"
 
 namespace kvcanary {
@@ -34,24 +35,53 @@ const int64_t* mapped_staging(const int64_t* host) {
   return static_cast<const int64_t*>(attr.devicePointer);
 }
 
+// Checked arguments with the staging rows' device-mapped address (an input error for pageable staging).
+StageArgs mapped(StageArgs a) {
+  if (a.bs > 0) a.staging = mapped_staging(a.staging);
+  return a;
+}
+
+// `a` from mapped().
+void launch_stage(const StageArgs& a, const DLDevice& dev) {
+  const int64_t n = std::max(a.pad_rows, a.pad_tokens);
+  if (n == 0) return;
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  const int64_t blocks = (n + kStageThreads - 1) / kStageThreads;
+  const int64_t grid = std::min<int64_t>(blocks, 4 * static_cast<int64_t>(sm_count(dev.device_id)));
+  launch_kernel(stage_batch_kernel, static_cast<unsigned>(grid), kStageThreads, stream_of(dev), dev.device_id, a);
+}
+
 }  // namespace
 
 void stage_batch(TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens, TensorView input_ids,
                  TensorView positions, TensorView out_cache_loc, TensorView staging, TensorView rows,
                  TensorView truth, TensorView tokens, int64_t pad_rows, int64_t pad_tokens, int64_t padding_row) {
   const TensorView src[6] = {req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc};
-  StageArgs a = check_stage_args(kDLCUDA, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row);
-  const int64_t n = std::max(a.pad_rows, a.pad_tokens);
-  if (n == 0) return;
-  const DLDevice dev = rows.device();
-  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
-  if (a.bs > 0) a.staging = mapped_staging(a.staging);
-  const int64_t blocks = (n + kStageThreads - 1) / kStageThreads;
-  const int64_t grid = std::min<int64_t>(blocks, 4 * static_cast<int64_t>(sm_count(dev.device_id)));
-  launch_kernel(stage_batch_kernel, static_cast<unsigned>(grid), kStageThreads, stream_of(dev), dev.device_id, a);
+  launch_stage(mapped(check_stage_args(kDLCUDA, src, staging, rows, truth, tokens, pad_rows, pad_tokens,
+                                        padding_row)),
+               rows.device());
+}
+
+// docs/ops-contract.md 8c: the steady decode's truth into the pinned staging rows on the host, then the staging
+// launch that reads them in place (only after a steady decode: result >= 0).
+int64_t begin_decode(TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens,
+                     TensorView input_ids, TensorView positions, TensorView out_cache_loc, TensorView staging,
+                     TensorView rows, TensorView truth, TensorView tokens, int64_t pad_rows, int64_t pad_tokens,
+                     int64_t padding_row, TensorView host_rows, TensorView host_pre, TensorView host_ext,
+                     TensorView true_new, TensorView live, TensorView h, TensorView n, int64_t offset,
+                     TensorView seen, TensorView prefix, int64_t step) {
+  const TensorView src[6] = {req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc};
+  // every check (the staging's pinning included) before the decode writes anything
+  const StageArgs a =
+      mapped(check_stage_args(kDLCUDA, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row));
+  const int64_t got = begin_decode_host(a, static_cast<int64_t*>(staging.data_ptr()), host_rows, host_pre, host_ext,
+                                        true_new, live, h, n, offset, seen, prefix, step);
+  if (got >= 0) launch_stage(a, rows.device());
+  return got;
 }
 
 }  // namespace cuda
 }  // namespace kvcanary
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(stage_batch, kvcanary::cuda::stage_batch);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(begin_decode, kvcanary::cuda::begin_decode);

@@ -166,20 +166,26 @@ class BatchView:
         """Raise CanaryInputError for a batch that does not fit the pool or the installed capacities (``device``: the
         pool's resolved device, when the caller holds it)."""
         device = pool.resolved_device if device is None else device
+        self.validate_fit(pool, req_capacity, token_capacity, device)
+        self.validate_arrays(device)
+
+    def validate_fit(self, pool: PoolDescription, req_capacity: int, token_capacity: int,
+                     device: torch.device, checked_table: torch.Tensor | None = None) -> None:
+        """The part of :meth:`validate` that no native op checks: sizes against the capacities, the slot table, the
+        host facts' lengths. ``checked_table``: a slot table that passed before; when it is this batch's, only its
+        shape and layout are checked again (its dtype and device cannot change)."""
         bs = self.batch_size
         if bs > req_capacity:
             raise CanaryInputError(f"batch has {bs} requests, the canary was installed for req_capacity={req_capacity}")
-        check_tensors((("batch.req_pool_indices", self.req_pool_indices), ("batch.prefix_lens", self.prefix_lens),
-                       ("batch.extend_lens", self.extend_lens)), dtype=_INDEX_DTYPES, shape=(bs,), device=device)
         if not isinstance(self.input_ids, torch.Tensor):  # it defines num_tokens: check it is a tensor first
             check_tensor(self.input_ids, "batch.input_ids", dtype=_INDEX_DTYPES, ndim=1, device=device)
         n = self.num_tokens
         if n > token_capacity:
             raise CanaryInputError(f"batch has {n} tokens, the canary was installed for "
                                    f"token_capacity={token_capacity}")
-        check_tensors((("batch.input_ids", self.input_ids), ("batch.positions", self.positions),
-                       ("batch.out_cache_loc", self.out_cache_loc)), dtype=_INDEX_DTYPES, shape=(n,), device=device)
-        table = check_tensor(self.req_to_token, "batch.req_to_token", dtype=_INDEX_DTYPES, ndim=2, device=device)
+        table = self.req_to_token
+        if table is not checked_table or not table.is_contiguous():
+            check_tensor(table, "batch.req_to_token", dtype=_INDEX_DTYPES, ndim=2, device=device)
         if table.shape[1] != pool.table_cols or table.shape[0] > pool.req_rows:
             raise CanaryInputError(f"batch.req_to_token has shape {tuple(table.shape)}, the pool's slot table is "
                                    f"[<= {pool.req_rows}, {pool.table_cols}]")
@@ -190,13 +196,22 @@ class BatchView:
         for name, value in (("true_tokens", self.true_tokens), ("expected_chains", self.expected_chains)):
             if value is not None and len(value) != bs:
                 raise CanaryInputError(f"batch.{name} has {len(value)} entries, batch size is {bs}")
-        if self.true_new_tokens is not None and len(self.true_new_tokens) != n:
-            raise CanaryInputError(f"batch.true_new_tokens has {len(self.true_new_tokens)} entries, the batch has {n} "
-                                   "new tokens")
-        if int(np.maximum(np.asarray(self.extend_lens_host, dtype=np.int64), 0).sum()) > n:
-            raise CanaryInputError(f"batch.extend_lens_host sums to more than the {n} new tokens")
+        new = self.true_new_tokens
+        if new is not None and (new.shape[0] if isinstance(new, torch.Tensor) else len(new)) != n:
+            raise CanaryInputError(f"batch.true_new_tokens has {len(new)} entries, the batch has {n} new tokens")
         if self.token_offset is not None and self.token_offset < 0:
             raise CanaryInputError(f"batch.token_offset must be >= 0, got {self.token_offset}")
+
+    def validate_arrays(self, device: torch.device) -> None:
+        """The part of :meth:`validate` that the native ``begin_decode`` also checks (docs/ops-contract.md 8c): the six
+        batch tensors and the extend lengths' sum."""
+        bs, n = self.batch_size, self.num_tokens
+        check_tensors((("batch.req_pool_indices", self.req_pool_indices), ("batch.prefix_lens", self.prefix_lens),
+                       ("batch.extend_lens", self.extend_lens)), dtype=_INDEX_DTYPES, shape=(bs,), device=device)
+        check_tensors((("batch.input_ids", self.input_ids), ("batch.positions", self.positions),
+                       ("batch.out_cache_loc", self.out_cache_loc)), dtype=_INDEX_DTYPES, shape=(n,), device=device)
+        if int(np.maximum(np.asarray(self.extend_lens_host, dtype=np.int64), 0).sum()) > n:
+            raise CanaryInputError(f"batch.extend_lens_host sums to more than the {n} new tokens")
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,11 @@ class Health:
     """Compares staged device counters with what the host launched; tracks coverage for the stats line."""
 
     def __init__(self, stats_interval: int, watchdog: bool = True) -> None:
-        self.expected = np.zeros((NUM_LAUNCH_TAGS, 2), dtype=np.int64)  # [tag, (VERIFY_RUNS, WRITE_RUNS)]
+        self._expected = np.zeros((NUM_LAUNCH_TAGS, 2), dtype=np.int64)  # [tag, (VERIFY_RUNS, WRITE_RUNS)]
         self.expected_forwards = 0
+        # per forward variant (:meth:`add_variant`): its launch table and the forwards not yet folded into _expected
+        self._variants: list[np.ndarray] = []
+        self._unfolded: list[int] = []
         self.stats_interval = stats_interval
         self.watchdog = watchdog
         self.coverage = Coverage()
@@ -74,14 +77,31 @@ class Health:
         self.last_stats_line: str | None = None
         self._stats_step = 0  # last step of the window that printed the last stats line
 
+    @property
+    def expected(self) -> np.ndarray:
+        """[NUM_LAUNCH_TAGS, 2]: the (verify, write) launches expected so far, every counted forward included."""
+        for v, n in enumerate(self._unfolded):
+            if n:
+                self._expected += self._variants[v] * n
+                self._unfolded[v] = 0
+        return self._expected
+
     def expect(self, tag: int, verify_runs: int = 0, write_runs: int = 0) -> None:
         """Record launches the host issued (or that a replayed graph must have run)."""
-        self.expected[tag, 0] += verify_runs
-        self.expected[tag, 1] += write_runs
+        self._expected[tag, 0] += verify_runs
+        self._expected[tag, 1] += write_runs
 
-    def expect_all(self, runs: np.ndarray) -> None:
-        """Add a whole [NUM_LAUNCH_TAGS, 2] table of (verify, write) launches (one forward's)."""
-        self.expected += runs
+    def add_variant(self, runs: np.ndarray) -> int:
+        """Register one forward's [NUM_LAUNCH_TAGS, 2] table of (verify, write) launches; returns its variant id for
+        :meth:`expect_forward`."""
+        self._variants.append(runs)
+        self._unfolded.append(0)
+        return len(self._variants) - 1
+
+    def expect_forward(self, variant: int) -> None:
+        """One forward of a registered variant ran (its table is added when :attr:`expected` is read)."""
+        self._unfolded[variant] += 1
+        self.expected_forwards += 1
 
     def check(self, counters: np.ndarray, phase: np.ndarray, plan_status: np.ndarray, dropped: int, capacity: int,
               expected: np.ndarray, expected_forwards: int) -> list[HealthProblem]:

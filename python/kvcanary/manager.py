@@ -41,6 +41,10 @@ class ForwardKind(enum.StrEnum):
     REPLAY = "replay"
 
 
+PRUNE_HORIZON = 4096  # forwards a request may go unseen before its row state is forgotten
+_KINDS: dict[str, ForwardKind] = {k.value: k for k in ForwardKind}
+
+
 class _Phase(enum.Enum):
     IDLE = 0
     BEGUN = 1
@@ -84,6 +88,9 @@ class CanaryManager:
         self.backend = check_backend(config.resolved_backend(self.device.type), self.device)
         self.state = CanaryState(pool, config, self.backend)
         self.prefix_cache = prefix_cache
+        # the sweeps this install runs (no prefix-cache export: none)
+        self._rolling = bool(config.sweep_slice) and prefix_cache is not None
+        self._sweep_every = config.sweep_interval if prefix_cache is not None else 0
         self.sweeper = Sweeper(self.state, self.backend, config.sweep_unlocked_only)
         if self._rolling:
             self.sweeper.warm_up()
@@ -97,7 +104,7 @@ class CanaryManager:
         self.reporter = Reporter(self.state, config, self.health, self.metrics, self.sinks, pool.page_size)
         self.reporter.on_report = self._on_report
         self._reports = self.reporter.reports
-        self._launches = [self.program.launches(reuse).numpy() for reuse in (False, True)]
+        self._variants = [self.health.add_variant(self.program.launches(reuse).numpy()) for reuse in (False, True)]
         self._captured: set[tuple[int, int, int]] = set()
         self._table: torch.Tensor | None = None
         self._ops: tuple[tuple[Op, ...], tuple[Op, ...]] = ((), ())
@@ -125,10 +132,10 @@ class CanaryManager:
         if self._phase != _Phase.IDLE:
             raise CanaryBracketError(f"begin_forward while a forward is open (phase {self._phase.name}); "
                                      "brackets do not nest")
-        kind = ForwardKind(kind)
+        kind = _KINDS.get(kind) or ForwardKind(kind)  # a dict lookup: the enum's call costs microseconds
         if kind == ForwardKind.CAPTURE and self.device.type != "cuda":
             raise CanaryBracketError("kind='capture' needs a CUDA device")
-        batch.validate(self.pool, self.config.req_capacity, self.config.token_capacity, self.device)
+        batch.validate_fit(self.pool, self.config.req_capacity, self.config.token_capacity, self.device, self._table)
         bs, nt, table = batch.batch_size, batch.num_tokens, batch.req_to_token
         key = (bs, nt, table.data_ptr())
         if kind == ForwardKind.REPLAY and key not in self._captured:
@@ -144,8 +151,7 @@ class CanaryManager:
             self.perturber.before_forward(batch, step, self._export() if wants else None)
         capture = kind == ForwardKind.CAPTURE
         shape = self.program.bound_shape(bs, nt)
-        self.upload.upload(batch, step, capture)
-        self.upload.stage(batch, shape)
+        self.upload.begin(batch, step, capture, shape)
         self._table = table
         if capture:
             self._captured.add(key)
@@ -200,15 +206,15 @@ class CanaryManager:
         if self._kind == ForwardKind.CAPTURE:
             return None
         self.forwards += 1
-        self.health.expected_forwards += 1
-        self.health.expect_all(self._launches[replay or self._reuse])
+        self.health.expect_forward(self._variants[replay or self._reuse])
         if self.perturber.enabled:
             self.perturber.after_forward(self._batch, self.forwards)
         if self._sweep_due(self.forwards):
             self.sweep()
         elif self._rolling:
             self._roll()
-        self._prune(self.forwards)
+        if self.forwards % PRUNE_HORIZON == 0:
+            self._prune(self.forwards)
         # a window with violation rows is staged at once; clean ones (health, metrics, stats) every report_interval
         if self.reporter.alarmed() or self.forwards % self.config.report_interval == 0:
             self.reporter.stage(self.forwards)
@@ -302,10 +308,6 @@ class CanaryManager:
             raise KVCanaryInternalError("no slot table: a device part ran outside begin_forward")
         return self._table
 
-    @property
-    def _rolling(self) -> bool:
-        return bool(self.config.sweep_slice) and self.prefix_cache is not None
-
     def _roll(self) -> None:
         """The rolling sweep's slice of this forward (eager, after the forward)."""
         export = self._export()
@@ -322,16 +324,14 @@ class CanaryManager:
                 self.health.expect(int(LaunchTag.of(Stage.SWEEP, Half(h), g.spec.group)), runs, 0)
 
     def _sweep_due(self, step: int) -> bool:
-        iv = self.config.sweep_interval
-        return bool(iv) and self.prefix_cache is not None and step % iv == 0
+        return bool(self._sweep_every) and step % self._sweep_every == 0
 
     def _export(self) -> PrefixCacheExport | None:
         return self.prefix_cache() if self.prefix_cache is not None else None
 
-    def _prune(self, step: int, horizon: int = 4096) -> None:
-        if step % horizon:
-            return
-        for rid in self.upload.requests.stale(step, horizon):
+    def _prune(self, step: int) -> None:
+        """Every PRUNE_HORIZON forwards: forget requests whose rows have not run for that long."""
+        for rid in self.upload.requests.stale(step, PRUNE_HORIZON):
             self.release(rid)
         self.reporter.prune()
 

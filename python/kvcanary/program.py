@@ -102,6 +102,11 @@ class DeviceProgram:
         self.capacity = capacity
         self.pinned: set[Shape] = set()
         self._cache: OrderedDict[Shape, Stages] = OrderedDict()
+        # the last batch's (bs, nt), its bound shape and that shape's stages (kept while the shape repeats; an entry
+        # the LRU evicts meanwhile stays valid: bound ops hold everything they use)
+        self._last_batch: tuple[int, int] = (-1, -1)
+        self._last_shape: Shape = (-1, -1)
+        self._last_stages: Stages | None = None
         self._checks = (int(WriteCheck.CHAIN_POSITION) if config.chain_position_assert else 0) | \
             (int(WriteCheck.INPUTS) if config.input_asserts else 0)
         # the structural check is a table-space property of the batch: once per forward (HEAD, first group)
@@ -117,18 +122,27 @@ class DeviceProgram:
         tokens past the batch are padding (``Upload.stage``): a row at the pool's padding row plans nothing, a token
         at out_cache_loc -1 is never written, so the ops' results are those of the batch itself. A pool without a
         padding row (-1) keeps the exact batch size: there a row of -1 is an input error (docs/ops-contract.md 2)."""
-        cfg = self.config
-        rows = bs if self.pool.padding_row < 0 else bucket(bs, cfg.req_capacity)
-        return rows, bucket(nt, cfg.token_capacity)
+        if (bs, nt) != self._last_batch:
+            cfg = self.config
+            rows = bs if self.pool.padding_row < 0 else bucket(bs, cfg.req_capacity)
+            shape = (rows, bucket(nt, cfg.token_capacity))
+            if shape != self._last_shape:
+                self._last_shape, self._last_stages = shape, None
+            self._last_batch = (bs, nt)
+        return self._last_shape
 
     def stages(self, shape: Shape, table: torch.Tensor) -> Stages:
         """The bound ops of ``shape`` (bound now on a miss, with ``table`` standing for the forward's tables)."""
+        if shape == self._last_shape and self._last_stages is not None:  # the common case: as the last forward
+            return self._last_stages
         got = self._cache.get(shape)
         if got is None:
             got = self._cache[shape] = self._bind(shape, table)
             self._evict()
         else:
             self._cache.move_to_end(shape)
+        if shape == self._last_shape:
+            self._last_stages = got
         return got
 
     def _evict(self) -> None:

@@ -7,7 +7,7 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from kvcanary_schema import NO_SLOT, CounterCol, FailReason, LaunchTag, ViolationCol
@@ -100,9 +100,9 @@ class Violation:
                 f"last_held_by={','.join(str(h) for h in c.holders) or '-'}")
 
 
-@dataclass(frozen=True)
-class StepBatch:
-    """What the reporter needs to attribute rows of one step: request ids and rows per batch index."""
+class StepBatch(NamedTuple):
+    """What the reporter needs to attribute rows of one step: request ids and rows per batch index (a named tuple:
+    one is built every forward, and a frozen dataclass costs several times more to build)."""
 
     request_ids: Sequence[Hashable | None]
     token_offset: int = 0

@@ -125,7 +125,6 @@ def chain_truth(hasher: ChainHasher, key: Hashable, history: Sequence[int], pref
 
 
 _U64 = np.uint64
-_BAD_VALUE = -2  # truth_decode: a known token or a position out of range (-1: not a steady decode)
 
 
 def all_set(mask: np.ndarray) -> bool:
@@ -194,14 +193,12 @@ class RowChains:
     (rewound, or past a prefix the row never saw) catch up one by one through :func:`chain_truth`, which stays the
     oracle."""
 
-    def __init__(self, rows: int, offset: int = 0, step: Callable[..., int] | None = None,
-                 decode: Callable[..., int] | None = None) -> None:
+    def __init__(self, rows: int, offset: int = 0, step: Callable[..., int] | None = None) -> None:
         """State for ``rows`` slot-table rows; ``offset`` as in :class:`ChainHasher`; ``step``: the native
-        ``hash_chain_step(h, tokens, positions, out) -> errors`` of the C++ backend (None: numpy); ``decode``: its
-        ``truth_decode`` (docs/ops-contract.md 8a; None: :meth:`decode_into` always declines)."""
+        ``hash_chain_step(h, tokens, positions, out) -> errors`` of the C++ backend (None: numpy). The steady decode's
+        one-call form is ``begin_decode`` (docs/ops-contract.md 8c), on ``h`` and ``n``."""
         self.offset = offset
         self.step = step
-        self.decode = decode
         self.h = np.full(rows, H.CHAIN_H0, dtype=_U64)
         self.n = np.zeros(rows, dtype=np.int64)
         self._pw = _Powers()
@@ -232,20 +229,6 @@ class RowChains:
             self._catch_up(i, int(rows[i]), int(pre[i]), int(ext[i]), None if histories is None else histories[i],
                            out)
         return out
-
-    def decode_into(self, rows: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
-                    new_tokens: np.ndarray | torch.Tensor, out: np.ndarray) -> int | None:
-        """A steady decode in one native call: when every live request continues where its row left off and has one
-        new token, write the staging rows ``out[:, :bs]`` (expect_prefix, expect_new, flag mask, stripe end 0, reuse
-        end 0) and advance the rows; return how many live rows' new token is unknown. None otherwise (nothing changed:
-        take :meth:`forward`)."""
-        if self.decode is None:
-            return None
-        # the native op's `owned` mask: every live row is its request's (the caller's claims reset the others)
-        got = self.decode(rows, pre, ext, new_tokens, live, live, self.h.view(np.int64), self.n, self.offset, out)
-        if got == _BAD_VALUE:
-            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
-        return None if got < 0 else got
 
     def _decode(self, rows: np.ndarray, pre: np.ndarray, tok: np.ndarray) -> BatchTruth:
         """The common decode forward: every request continues with one new token (no index gathers)."""

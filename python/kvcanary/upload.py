@@ -7,19 +7,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvcanary_schema import PlanFlag, TokenTruth
+from kvcanary_schema import TOKEN_LIMIT, PlanFlag, TokenTruth
 
 from kvcanary import _native
 from kvcanary.adapter import BatchView, PoolDescription
 from kvcanary.config import CanaryConfig, CoveragePolicy
-from kvcanary.errors import KVCanaryInternalError
+from kvcanary.errors import CanaryInputError, KVCanaryInternalError
 from kvcanary.health import Health
 from kvcanary.ops.scatter_tokens import scatter_tokens
-from kvcanary.ops.stage_batch import BatchStager
+from kvcanary.ops.stage_batch import BAD_VALUE, BatchStager
 from kvcanary.rows import RequestRows
 from kvcanary.state import CanaryState
 from kvcanary.stripes import Stripes
-from kvcanary.truth import BatchTruth, RowChains
+from kvcanary.truth import BatchTruth, RowChains, all_set
 
 KEEP_ALL = -1  # flag mask keeping every PlanFlag bit
 NO_PREFIX = ~int(PlanFlag.EXPECT_PREFIX)
@@ -58,78 +58,112 @@ class Upload:
         self.state, self.pool, self.config, self.backend = state, pool, config, backend
         self.health = health
         self._native = _native_host(backend)
-        self.chains = self._row_chains(pool.token_offset)
+        self._stage = BatchStager(state.upload, state.batch_rows, state.truth_rows, state.batch_tokens,
+                                  pool.padding_row, backend)
+        self.requests = RequestRows(pool.req_rows)
+        self._set_chains(pool.token_offset)
         self.stripes = Stripes(config.stripe_size, config.window_links) \
             if config.coverage == CoveragePolicy.WINDOW else None
-        self.requests = RequestRows(pool.req_rows)
         if self.stripes is None:  # FULL policy: every running request's prefix is verified whole
             health.coverage.rows = self.requests
         self.pool_done = np.zeros(pool.req_rows, dtype=np.int64)  # POOL truth: per row, true tokens uploaded
-        self._host = [u.numpy() for u in state.upload]  # the staging rows, filled here and read by stage()
-        self._index = 0  # the staging row the next upload() fills
-        self._filled = 0  # the staging row the last upload() filled
+        self._host = [u.numpy() for u in state.upload]  # the staging rows, filled on the host and staged
+        self._index = 0  # the staging row the next begin() fills
         # CUDA: per staging row, the event after the last stage_batch that read it (reused: a new event per forward
         # costs more host time than the launch; synchronizing one never recorded returns at once)
         self._copied = [torch.cuda.Event() for _ in range(2)] if state.device.type == "cuda" else []  # type: ignore[no-untyped-call]
-        self._stage = BatchStager(state.upload, state.batch_rows, state.truth_rows, state.batch_tokens,
-                                  pool.padding_row, backend)
         self._device_index = state.device.index if state.device.type == "cuda" else None
         # (rows, tokens) of the static batch buffers that may hold a batch's values; everything past them is padding
         # (CanaryState allocates them so)
         self._dirty = (0, 0)
         self.any_new = True
 
-    def stage(self, batch: BatchView, shape: tuple[int, int]) -> None:
-        """The batch tensors and the staging rows :meth:`upload` filled into the static buffers, padded to the bound
-        ``shape`` (one stage_batch call): rows up to ``shape[0]`` are padding rows (the pool's padding row, no new
-        tokens), tokens up to ``shape[1]`` have out_cache_loc -1. Only what an earlier, larger batch left there is
-        reset (a steady batch resets nothing)."""
-        bs, nt = batch.batch_size, batch.num_tokens
-        rows, tokens = self._dirty
-        pad_rows = max(bs, min(rows, shape[0]))
-        pad_tokens = max(nt, min(tokens, shape[1]))
-        k = self._filled
-        self._stage((batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
-                     batch.out_cache_loc), k, pad_rows, pad_tokens)
-        if self._copied:  # the staging row is free again once this launch, which reads it in place, has run
-            self._copied[k].record(torch.cuda.current_stream(self._device_index))
-        # past a bound shape, what the earlier batch left stays (reset once a later shape reaches it)
-        self._dirty = (bs if rows <= shape[0] else rows, nt if tokens <= shape[1] else tokens)
-
-    def upload(self, batch: BatchView, step: int, capture: bool) -> None:
-        """Token truth, stripe ends and reuse ends of ``batch`` (forward ``step``) into ``state.truth_rows``."""
-        bs = batch.batch_size
-        rows, pre, ext = (host_i64(v) for v in (batch.req_pool_indices_host, batch.prefix_lens_host,
-                                                 batch.extend_lens_host))
-        keys = request_keys(batch.request_ids)
+    def begin(self, batch: BatchView, step: int, capture: bool, shape: tuple[int, int]) -> None:
+        """Token truth, stripe ends and reuse ends of ``batch`` (forward ``step``) staged with the batch into the static
+        buffers, padded to the bound ``shape``. A steady decode is one native call (``begin_decode``) that also checks
+        the batch's arrays; anything else checks them here (``BatchView.validate_arrays``) before any state changes.
+        The caller has run ``BatchView.validate_fit``."""
+        ids = batch.request_ids
+        rows, pre, ext = host_i64(batch.req_pool_indices_host), host_i64(batch.prefix_lens_host), \
+            host_i64(batch.extend_lens_host)
         live = rows != self.pool.padding_row
-        if None in batch.request_ids:  # a C-level scan: np.not_equal on an object array costs far more
-            live &= np.not_equal(keys, None)  # type: ignore[call-overload]
-        k = self._filled = self._index
+        if None in ids:  # a C-level scan: np.not_equal on an object array costs far more
+            live &= np.not_equal(request_keys(ids), None)  # type: ignore[call-overload]
+        k = self._index
         self._index ^= 1
         if self._copied:
             self._copied[k].synchronize()
+        bs, nt = rows.shape[0], batch.num_tokens
+        pads = self._pads(bs, nt, shape)
+        src = (batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
+               batch.out_cache_loc)
+        if not capture and self._decodes(batch) and self._held(rows, ids):
+            if self._decode(batch, src, k, pads, rows, pre, ext, live, step) >= 0:  # the rows that ran noted too
+                self.any_new = False  # every request holds its row and continues it, no stripes
+                self._staged(k, bs, nt, shape)
+                return
+        else:  # begin_decode, even when it declines, has checked every array
+            batch.validate_arrays(self.state.device)
+        inside = (rows >= 0) & (rows < self.pool.req_rows)
+        if not all_set(inside):  # rows outside the slot table: the plan counts them as input errors; here they are
+            live &= inside       # padding
+            rows = np.where(inside, rows, 0)
+        keys = request_keys(ids)
         claims = np.flatnonzero(self.requests.unclaimed(rows, keys, live))
-        if claims.size == 0 and not capture and self._steady(batch, rows, live, pre, ext, self._host[k]):
-            self.any_new = False  # every request holds its row and continues it, no stripes
-        else:
-            out = self._host[k][:, :bs]
-            out[3:] = 0  # stripe and reuse ends; _truth writes rows 0-2
-            self._claim(rows, keys, claims, pre, capture, out[4])
-            if self.stripes is not None:
-                self._stripe_ends(keys, live, pre, capture, out[3])
-            self._truth(batch, rows, live, pre, ext, out)
+        out = self._host[k][:, :rows.shape[0]]
+        out[3:] = 0  # stripe and reuse ends; _truth writes rows 0-2
+        self._claim(rows, keys, claims, pre, capture, out[4])
+        if self.stripes is not None:
+            self._stripe_ends(keys, live, pre, capture, out[3])
+        self._truth(batch, rows, live, pre, ext, out)
+        self._stage(src, k, *pads)
         if not capture:
             self.requests.ran(rows, live, pre, step)
+        self._staged(k, bs, nt, shape)
 
-    def _steady(self, batch: BatchView, rows: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
-                staging: np.ndarray) -> bool:
-        """A steady decode's staging rows in one native call (RowChains.decode_into); False where it does not apply
-        (nothing changed)."""
-        if self.stripes is not None or batch.true_new_tokens is None or batch.expected_chains is not None or \
-                self.config.token_truth != TokenTruth.CHAIN or self._offset(batch) != self.chains.offset:
+    def _pads(self, bs: int, nt: int, shape: tuple[int, int]) -> tuple[int, int]:
+        """(pad_rows, pad_tokens) of a batch of ``bs`` rows and ``nt`` tokens staged at the bound ``shape``: rows up to
+        ``shape[0]`` are padding rows (the pool's padding row, no new tokens), tokens up to ``shape[1]`` have
+        out_cache_loc -1. Only what an earlier, larger batch left there is reset (a steady batch resets nothing)."""
+        rows, tokens = self._dirty
+        return max(bs, min(rows, shape[0])), max(nt, min(tokens, shape[1]))
+
+    def _staged(self, k: int, bs: int, nt: int, shape: tuple[int, int]) -> None:
+        """After staging a ``bs`` x ``nt`` batch with staging row ``k``: its event, what the static buffers may hold."""
+        if self._copied:  # the staging row is free again once this launch, which reads it in place, has run
+            self._copied[k].record(torch.cuda.current_stream(self._device_index))
+        # past a bound shape, what the earlier batch left stays (reset once a later shape reaches it)
+        r, t = self._dirty
+        self._dirty = (bs if r <= shape[0] else r, nt if t <= shape[1] else t)
+
+    def _held(self, rows: np.ndarray, ids: Sequence[Hashable | None]) -> bool:
+        """Whether every request holds its row (padding: None on a row nobody holds), by a list compare (no object
+        ufunc). Rows outside the slot table are not held (begin_decode declines them, the slow path checks them)."""
+        try:
+            return bool(self.requests.owner[rows].tolist() == (ids if isinstance(ids, list) else list(ids)))
+        except IndexError:
             return False
-        return self.chains.decode_into(rows, live, pre, ext, host_array(batch.true_new_tokens), staging) is not None
+
+    def _decodes(self, batch: BatchView) -> bool:
+        """Whether the batch may be a steady decode for ``begin_decode``: bulk token truth, the FULL policy."""
+        return self.stripes is None and batch.true_new_tokens is not None and batch.expected_chains is None and \
+            self.config.token_truth == TokenTruth.CHAIN and self._offset(batch) == self.chains.offset
+
+    def _decode(self, batch: BatchView, src: tuple[torch.Tensor, ...], k: int, pads: tuple[int, int], rows: np.ndarray,
+                pre: np.ndarray, ext: np.ndarray, live: np.ndarray, step: int) -> int:
+        """begin_decode: the unknown new tokens' count (>= 0), or NOT_STEADY with nothing changed."""
+        new = batch.true_new_tokens
+        if new is None:
+            raise KVCanaryInternalError("begin_decode without true_new_tokens: an invariant of begin was broken")
+        try:
+            got = self._stage.decode(src, k, *pads, (rows, pre, ext), host_array(new), live, self._row_state,
+                                     self.chains.offset, step)
+        except (TypeError, ValueError) as err:  # the native checks: this library's error for the same input
+            batch.validate_arrays(self.state.device)
+            raise CanaryInputError(f"batch: {err}") from err
+        if got == BAD_VALUE:
+            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
+        return got
 
     def _claim(self, rows: np.ndarray, keys: np.ndarray, claims: np.ndarray, pre: np.ndarray, capture: bool,
                reuse_end: np.ndarray) -> None:
@@ -164,7 +198,7 @@ class Upload:
             return
         offset = self._offset(batch)
         if offset != self.chains.offset:  # every row's chain restarts (the rows' requests stay theirs)
-            self.chains = self._row_chains(offset)
+            self._set_chains(offset)
         if batch.expected_chains is not None:
             t = _given_chains(batch.expected_chains, live)
         elif batch.true_tokens is None and batch.true_new_tokens is None:
@@ -183,10 +217,12 @@ class Upload:
     def _offset(self, batch: BatchView) -> int:
         return self.pool.token_offset if batch.token_offset is None else batch.token_offset
 
-    def _row_chains(self, offset: int) -> RowChains:
+    def _set_chains(self, offset: int) -> None:
+        """Fresh row chains for token ``offset``, and the per-row state begin_decode updates."""
         native = self._native
-        return RowChains(self.pool.req_rows, offset, *((None, None) if native is None else
-                                                       (native.hash_chain_step, native.truth_decode)))
+        self.chains = RowChains(self.pool.req_rows, offset, None if native is None else native.hash_chain_step)
+        r = self.requests
+        self._row_state = self._stage.row_state(self.chains.h, self.chains.n, r.seen, r.prefix)
 
     def _pool_truth(self, batch: BatchView, rows: np.ndarray, live: np.ndarray, pre: np.ndarray,
                     ext: np.ndarray) -> None:
@@ -242,8 +278,8 @@ def _given_chains(given: Sequence[tuple[int | None, int | None]], live: np.ndarr
 
 
 def _native_host(backend: str) -> Any:
-    """The C++ module whose host ops (hash_chain_step, truth_decode) serve the token truth, when a native backend is
-    in use and it loads; None: numpy."""
+    """The C++ module whose host op hash_chain_step serves the token truth, when a native backend is in use and it
+    loads; None: numpy."""
     if backend == "torch" or not _native.available("cpu"):
         return None
     return _native.module("cpu")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
+from kvcanary.ops.stage_batch import BAD_VALUE, NOT_STEADY, begin_decode
 from kvcanary.rows import RequestRows
 from kvcanary.truth import BatchTruth, ChainHasher, RowChains, chain_g_np, chain_truth
 from kvcanary.upload import KEEP_ALL, NO_NEW
@@ -33,19 +35,29 @@ _forward = st.lists(st.tuples(st.integers(0, 4), st.integers(0, ROWS - 1), st.in
 
 
 def _native_chains(rows: int, offset: int = 0) -> RowChains:
-    cpu = _native.module("cpu")
-    return RowChains(rows, offset, cpu.hash_chain_step, cpu.truth_decode)
+    return RowChains(rows, offset, _native.module("cpu").hash_chain_step)
 
 
 def _steady_truth(chains: RowChains, rows: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
-                  new: np.ndarray) -> BatchTruth | None:
-    """decode_into's staging rows read back as a BatchTruth (None: it declined, and must have changed nothing)."""
+                  new: np.ndarray, backend: str = "cpu", declines: int = NOT_STEADY) -> BatchTruth | None:
+    """begin_decode's staging rows read back as a BatchTruth (None: it declined with ``declines``, and must have
+    changed nothing)."""
     before = (chains.h.copy(), chains.n.copy())
-    staging = np.full((5, rows.shape[0] + 3), 7, np.int64)  # wider than the batch: columns past it stay untouched
-    unknown = chains.decode_into(rows, live, pre, ext, new, staging)
-    if unknown is None:
-        assert (staging == 7).all() and (chains.h == before[0]).all() and (chains.n == before[1]).all()
+    bs, nt = rows.shape[0], new.shape[0]
+    staging = torch.full((5, bs + 3), 7, dtype=torch.int64)  # wider than the batch: columns past it stay untouched
+    src = [torch.from_numpy(np.asarray(v, np.int64)) for v in (rows, pre, ext)]
+    src += [torch.zeros(nt, dtype=torch.int64)] * 3
+    dst = (torch.zeros(3, bs + 3, dtype=torch.int64), torch.zeros(5, bs + 3, dtype=torch.int64),
+           torch.zeros(3, nt + 2, dtype=torch.int64))
+    seen, prefix = np.zeros_like(chains.n), np.zeros_like(chains.n)
+    got = begin_decode(src, staging, *dst, bs, nt, 0, (rows, pre, ext), new, live, chains.h.view(np.int64), chains.n,
+                       chains.offset, seen, prefix, 1, backend=backend)
+    if got < 0:
+        assert got == declines and (staging == 7).all() and not any(d.any() for d in dst)
+        assert (chains.h == before[0]).all() and (chains.n == before[1]).all()
         return None
+    staging = staging.numpy()
+    unknown = got
     assert (staging[:, rows.shape[0]:] == 7).all() and not staging[3:, :rows.shape[0]].any()
     mask = staging[2, :rows.shape[0]]
     new_known = live & (mask == KEEP_ALL)
@@ -151,8 +163,7 @@ def test_steady_decode_skips_padding_rows_and_counts_unknown_tokens() -> None:
     assert chains.n[1:4].tolist() == [2, 2, 1] and chains.h[0] == np.uint64(H.CHAIN_H0)  # padding row untouched
 
 
-@pytest.mark.parametrize("case", ["reset row", "two new tokens", "rewound", "row out of range", "too few tokens",
-                                  "negative extend"])
+@pytest.mark.parametrize("case", ["reset row", "two new tokens", "rewound", "row out of range", "negative extend"])
 def test_steady_decode_declines_without_changing_anything(case: str) -> None:
     chains = _native_chains(4)
     rows = _decoding(chains, 2, [5, 6])
@@ -165,15 +176,13 @@ def test_steady_decode_declines_without_changing_anything(case: str) -> None:
         pre = np.array([1, 0])
     elif case == "row out of range":
         rows = np.array([1, 9])
-    elif case == "too few tokens":
-        new = np.array([7])
     else:
         ext = np.array([1, -1])
     assert _steady_truth(chains, rows, np.ones(2, bool), pre, ext, new) is None
 
 
 @pytest.mark.parametrize("bad", ["token", "position"])
-def test_steady_decode_bad_value_raises_before_any_write(bad: str) -> None:
+def test_steady_decode_bad_value_writes_nothing(bad: str) -> None:
     chains = _native_chains(3)
     rows = _decoding(chains, 2, [5, 6])
     before = chains.h.copy()
@@ -181,6 +190,5 @@ def test_steady_decode_bad_value_raises_before_any_write(bad: str) -> None:
     if bad == "position":
         chains.n[2] = 1 << 31  # the row claims a prefix past the position limit
     pre = np.array([1, 1 << 31]) if bad == "position" else np.array([1, 1])
-    with pytest.raises(CanaryInputError):
-        chains.decode_into(rows, np.ones(2, bool), pre, np.array([1, 1]), new, np.zeros((5, 2), np.int64))
+    assert _steady_truth(chains, rows, np.ones(2, bool), pre, np.array([1, 1]), new, declines=BAD_VALUE) is None
     assert (chains.h == before).all()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from kvcanary.adapter import BatchView
+from kvcanary.errors import CanaryInputError
 from kvcanary.health import Coverage
 from kvcanary.manager import CanaryManager
 from kvcanary.stripes import Stripes
@@ -169,4 +170,33 @@ def test_plan_drops_the_flags_of_unknown_truth(fast: bool) -> None:
     eng.forward(b)
     m.post_forward()
     m.end_forward()
+    assert m.flush() is not None and sum(r.total for r in m.reports) == 0
+
+
+@pytest.mark.parametrize("bad", ["token", "dtype", "extend"])
+def test_a_steady_decode_with_bad_input_raises_before_any_change(bad: str) -> None:
+    """begin_decode checks the batch's arrays itself (validate_fit leaves them to it): a bad one raises this library's
+    error, the row state stays as it was, and the same forward then runs clean."""
+    eng, m = setup(n_reqs=2)
+    for _ in range(3):
+        _forward(eng, m, fast=True)
+    b = _bulk(eng.batch())
+    chains = m.upload.chains
+    before = (chains.h.copy(), chains.n.copy(), m.upload.requests.seen.copy())
+    if bad == "token":
+        broken = dataclasses.replace(b, true_new_tokens=torch.full_like(b.true_new_tokens, 1 << 31))
+    elif bad == "dtype":
+        broken = dataclasses.replace(b, input_ids=b.input_ids.float())
+    else:
+        broken = dataclasses.replace(b, extend_lens_host=np.asarray(b.extend_lens_host) + 1)
+    with pytest.raises(CanaryInputError, match={"token": "true tokens", "dtype": "batch.input_ids",
+                                                 "extend": "extend_lens_host"}[bad]):
+        m.begin_forward(broken)
+    assert all((x == y).all() for x, y in zip(before, (chains.h, chains.n, m.upload.requests.seen), strict=True))
+    m.begin_forward(b)
+    m.pre_forward()
+    eng.forward(b)
+    m.post_forward()
+    m.end_forward()
+    assert not m.upload.any_new and (chains.n != before[1]).any()  # the steady decode advanced the rows
     assert m.flush() is not None and sum(r.total for r in m.reports) == 0

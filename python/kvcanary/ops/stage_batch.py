@@ -1,23 +1,33 @@
 """Batch staging (docs/ops-contract.md 8b): one forward's batch and token-truth rows into the static buffers the bound
-ops read, padded to the bound shape, in one call; torch reference + native."""
+ops read, padded to the bound shape, in one call; and a steady decode's token truth with its staging in one call
+(``begin_decode``, 8c). Torch references + native."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
+import numpy as np
 import torch
 import tvm_ffi
+from kvcanary_schema import TOKEN_LIMIT, PlanFlag
 
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
+from kvcanary.ops import hashes as H
 from kvcanary.ops.types import check_backend, check_tensor
 
 _INDEX = (torch.int32, torch.int64)
+STAGING_ROWS = 5  # the token-truth staging rows (docs/ops-contract.md 8a): expect_prefix, expect_new, mask, two ends
 SRC_NAMES = ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc")
 
 # stage(req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, staging, rows, truth, tokens,
 #       pad_rows, pad_tokens, padding_row)
 Stager = Callable[..., None]
+# begin_decode(the stage arguments, host_rows, host_pre, host_ext, true_new, live, h, n, offset, seen, prefix, step)
+#   -> int
+Decoder = Callable[..., int]
+NOT_STEADY, BAD_VALUE = -1, -2  # begin_decode's results that stage nothing
 
 
 def stage_batch(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor,
@@ -54,9 +64,11 @@ class BatchStager:
         for t in staging:
             _check_static(t, rows, truth, tokens)
         self._fn: Stager = _stage_torch
+        self._decode: Decoder = _begin_decode_torch
         args: list[object] = [*staging, rows, truth, tokens]
         if self.backend != "torch":
-            self._fn = _native.module("cuda" if self.backend == "cuda" else "cpu").stage_batch
+            mod = _native.module("cuda" if self.backend == "cuda" else "cpu")
+            self._fn, self._decode = mod.stage_batch, mod.begin_decode
             args = [tvm_ffi.from_dlpack(t) for t in args]
         self._staging, self._dst, self.padding_row = args[:len(staging)], tuple(args[len(staging):]), padding_row
 
@@ -64,6 +76,92 @@ class BatchStager:
         """Stage ``src`` (the six batch arrays, checked by the caller: ``BatchView.validate``) with staging buffer
         ``k``."""
         self._fn(*src, self._staging[k], *self._dst, pad_rows, pad_tokens, self.padding_row)
+
+    def row_state(self, h: np.ndarray, n: np.ndarray, seen: np.ndarray, prefix: np.ndarray) -> tuple[object, ...]:
+        """The per-row state :meth:`decode` updates, converted once for the native op (the arrays stay shared)."""
+        arrays = (h.view(np.int64), n, seen, prefix)
+        return arrays if self.backend == "torch" else tuple(tvm_ffi.from_dlpack(a) for a in arrays)
+
+    def decode(self, src: Sequence[torch.Tensor], k: int, pad_rows: int, pad_tokens: int, host: Sequence[np.ndarray],
+               true_new: np.ndarray | torch.Tensor, live: np.ndarray, rows: tuple[object, ...], offset: int,
+               step: int) -> int:
+        """:func:`begin_decode` with staging buffer ``k`` (``host``: the batch's rows, prefix and extend lengths;
+        ``rows``: :meth:`row_state`)."""
+        h, n, seen, prefix = rows
+        return self._decode(*src, self._staging[k], *self._dst, pad_rows, pad_tokens, self.padding_row, *host, true_new,
+                            live, h, n, offset, seen, prefix, step)
+
+
+def begin_decode(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor,
+                 tokens: torch.Tensor, pad_rows: int, pad_tokens: int, padding_row: int, host: Sequence[np.ndarray],
+                 true_new: np.ndarray, live: np.ndarray, h: np.ndarray, n: np.ndarray, offset: int,
+                 seen: np.ndarray, prefix: np.ndarray, step: int, backend: str = "torch") -> int:
+    """A steady decode's token truth and staging in one call (docs/ops-contract.md 8c): :func:`stage_batch`'s arguments,
+    then ``host`` = (rows, prefix lengths, extend lengths) int64 [bs], ``true_new`` int64 [nt] (negative = unknown),
+    ``live`` bool [bs], the rows' chain state ``h`` (u64 as int64) / ``n`` and their ``seen`` / ``prefix``, int64 [R].
+    When every live row continues its chain with one new token, the staging rows ``staging[:5, :bs]`` get the expected
+    chains and flag mask (8a), the rows advance, each live row's ``seen`` becomes ``step`` and its ``prefix`` its
+    prefix length, the batch is staged (8b) and the count of unknown new tokens returned; else NOT_STEADY or BAD_VALUE
+    with nothing written. Input errors (8b's, ``host`` or ``live`` not of the batch's length, ``ext`` claiming more
+    than nt tokens, row state arrays of different lengths) raise CanaryInputError before anything is written."""
+    b = check_backend(backend, rows.device)
+    args = (*src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row, *host, true_new, live, h, n, offset,
+            seen, prefix, step)
+    if b == "torch":
+        _check(src, staging, rows, truth, tokens, pad_rows, pad_tokens)
+        return cast(Decoder, _begin_decode_torch)(*args)
+    try:
+        return int(_native.module(b).begin_decode(*args))
+    except (TypeError, ValueError) as err:
+        raise CanaryInputError(str(err)) from err
+
+
+def _begin_decode_torch(req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                        input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor,
+                        staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor, tokens: torch.Tensor,
+                        pad_rows: int, pad_tokens: int, padding_row: int, host_rows: np.ndarray, host_pre: np.ndarray,
+                        host_ext: np.ndarray, true_new: np.ndarray | torch.Tensor, live: np.ndarray, h: np.ndarray,
+                        n: np.ndarray, offset: int, seen: np.ndarray, prefix: np.ndarray, step: int) -> int:
+    """The reference: one Python step per row (Python ints for the chain, the oracle of the C++ loop)."""
+    bs, nt = int(req_pool_indices.shape[0]), int(input_ids.shape[0])
+    tok = true_new.tolist() if isinstance(true_new, torch.Tensor) else np.asarray(true_new).tolist()
+    r, p, e, lv = (np.asarray(v).tolist() for v in (host_rows, host_pre, host_ext, live))
+    if not len(r) == len(p) == len(e) == len(lv) == bs or len(tok) != nt or staging.shape[0] != STAGING_ROWS or \
+            not seen.shape == prefix.shape == n.shape == h.shape:
+        raise CanaryInputError(f"begin_decode: host facts of {bs} rows and {nt} tokens, {STAGING_ROWS} staging rows "
+                               "expected")
+    if sum(max(x, 0) for x in e) > nt:
+        raise CanaryInputError(f"begin_decode: ext sums to more than the {nt} new tokens")
+    starts = np.cumsum([0, *e[:-1]]).tolist() if bs else []
+    for i in range(bs):
+        if e[i] < 0:
+            return NOT_STEADY
+        if not lv[i]:
+            continue
+        if e[i] != 1 or not 0 <= r[i] < h.shape[0] or starts[i] >= len(tok) or int(n[r[i]]) != p[i] + offset:
+            return NOT_STEADY
+        if not 0 <= p[i] < TOKEN_LIMIT or tok[starts[i]] >= TOKEN_LIMIT:
+            return BAD_VALUE
+    out = staging.numpy()
+    hu = h.view(np.uint64)
+    before = hu.copy()
+    unknown = 0
+    for i in range(bs):
+        ep = en = 0
+        mask = -1
+        if lv[i]:
+            h0, t = int(before[r[i]]), tok[starts[i]]
+            ep = H.to_i64(h0) if p[i] > 0 else 0
+            if t >= 0:
+                en = H.to_i64(H.chain_step_int(h0, t, p[i]))
+                hu[r[i]], n[r[i]] = H.to_u64(en), p[i] + offset + 1
+            else:
+                mask, unknown = ~int(PlanFlag.EXPECT_NEW), unknown + 1
+            seen[r[i]], prefix[r[i]] = step, p[i]
+        out[:, i] = (ep, en, mask, 0, 0)
+    _stage_torch(req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, staging, rows, truth,
+                 tokens, pad_rows, pad_tokens, padding_row)
+    return unknown
 
 
 def _check_static(staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor, tokens: torch.Tensor) -> None:
