@@ -15,6 +15,7 @@ from kvcanary.ops.verify import verify
 from kvcanary.ops.write import write, write_workspace
 from kvcanary_schema import NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, FingerprintMode, PlanStatusCol, Stage
 
+from . import test_cuda_ops as TO
 from . import test_cuda_policy as TP
 from .helpers import ALL_CHECKS, consistent_entry_offsets, fp_to, group_to, make_batch, pool_to, run_bracket
 
@@ -84,6 +85,8 @@ def main() -> None:
         dst = [torch.zeros(n, c, dtype=torch.int64, device=dev) for n, c in ((3, rc), (5, rc), (3, tc))]
         stage_batch(srcs, torch.randint(-9, 9, (5, bs + rng.randint(0, 2))).pin_memory(), *dst, rng.randint(bs, rc),
                     rng.randint(nt, tc), -1, backend="cuda")
+        # a steady decode's truth and staging (declines, bad values and steady batches)
+        TO._run_decode(TO._decode_case(rng), "cuda", dev)
         if sc.fp is not None:
             src = fp_to(sc.fp, dev)
             assert src is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from kvcanary.errors import CanaryInputError
@@ -12,7 +13,7 @@ from kvcanary.ops.bookkeep import bind_bookkeep
 from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.plan import plan_forward, plan_roll, plan_sweep
 from kvcanary.ops.scatter_tokens import scatter_tokens
-from kvcanary.ops.stage_batch import stage_batch
+from kvcanary.ops.stage_batch import begin_decode, stage_batch
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
 from kvcanary.ops.verify import verify
 from kvcanary.ops.write import write, write_workspace
@@ -542,3 +543,61 @@ def test_stage_batch_replays_in_a_graph() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(gdst, want, strict=True))
+
+
+# ---- begin_decode ------------------------------------------------------------------------------------------------
+
+def _decode_case(rng: random.Random) -> dict[str, Any]:
+    """A batch over R rows, mostly a steady decode (some rows rewound, some tokens unknown or out of range)."""
+    rows_n, bs = rng.randint(2, 400), rng.randint(0, 300)
+    n = torch.randint(0, 5000, (rows_n,)).numpy()
+    rows = [rng.randrange(rows_n) for _ in range(bs)]
+    live = [rng.random() < 0.9 for _ in range(bs)]
+    steady = rng.random() < 0.7
+    pre = [int(n[r]) if steady or rng.random() < 0.9 else rng.randint(0, 5000) for r in rows]
+    ext = [1 if lv else rng.randint(0, 2) for lv in live]
+    nt = sum(ext) + rng.randint(0, 3)
+    new = [-1 if rng.random() < 0.05 else rng.randrange(TOKEN_LIMIT) for _ in range(nt)]
+    if nt and rng.random() < 0.15:
+        new[rng.randrange(nt)] = TOKEN_LIMIT  # a bad value, if a live row's token
+    return {"src": [torch.tensor(v, dtype=torch.int64) for v in (rows, pre, ext)] +
+            [torch.randint(0, 1000, (nt,), dtype=rng.choice([torch.int32, torch.int64])) for _ in range(3)],
+            "staging": torch.randint(-9, 9, (5, bs + rng.randint(0, 3))),
+            "dst": [torch.randint(-50, 50, shape) for shape in ((3, bs + 5), (5, bs + 5), (3, nt + 7))],
+            "pads": (bs + rng.randint(0, 5), nt + rng.randint(0, 7)),
+            "host": tuple(np.array(v, np.int64) for v in (rows, pre, ext)), "new": np.array(new, np.int64),
+            "live": np.array(live, bool), "h": torch.randint(-(1 << 62), 1 << 62, (rows_n,)).numpy(), "n": n,
+            "seen": np.full(rows_n, -1, np.int64), "prefix": np.zeros(rows_n, np.int64)}
+
+
+def _run_decode(c: dict[str, Any], backend: str, dev: str, pinned: bool = True) -> tuple[int, list[torch.Tensor]]:
+    """One begin_decode on copies of the case; returns its result and every buffer it may write, on the host."""
+    staging = c["staging"].clone().pin_memory() if pinned else c["staging"].clone()
+    dst = [t.to(dev) for t in c["dst"]]
+    state = [c[k].copy() for k in ("h", "n", "seen", "prefix")]
+    got = begin_decode([t.to(dev) for t in c["src"]], staging, *dst, *c["pads"], 0, c["host"], c["new"], c["live"],
+                       state[0], state[1], 0, state[2], state[3], 7, backend=backend)
+    return got, [staging, *(t.cpu() for t in dst), *(torch.from_numpy(a) for a in state)]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_begin_decode_matches(seed: int) -> None:
+    """CUDA (host decode + the staging launch) against the C++ CPU op and the torch reference on the device."""
+    c = _decode_case(random.Random(seed))
+    outs = {b: _run_decode(c, b, dev) for b, dev in (("cpu", "cpu"), ("cuda", CUDA), ("torch", CUDA))}
+    for backend in ("cuda", "torch"):
+        assert outs[backend][0] == outs["cpu"][0], backend
+        assert all(torch.equal(a, b) for a, b in zip(outs["cpu"][1], outs[backend][1], strict=True)), backend
+
+
+def test_begin_decode_needs_pinned_staging_and_writes_nothing() -> None:
+    """Pageable staging is an input error found before the decode: no row state, staging or buffer changes."""
+    c = _decode_case(random.Random(5))
+    staging, dst = c["staging"].clone(), [t.to(CUDA) for t in c["dst"]]
+    state = [c[k].copy() for k in ("h", "n", "seen", "prefix")]
+    with pytest.raises(CanaryInputError, match="pinned"):
+        begin_decode([t.to(CUDA) for t in c["src"]], staging, *dst, *c["pads"], 0, c["host"], c["new"], c["live"],
+                     state[0], state[1], 0, state[2], state[3], 7, backend="cuda")
+    assert all(np.array_equal(a, c[k]) for a, k in zip(state, ("h", "n", "seen", "prefix"), strict=True))
+    assert torch.equal(staging, c["staging"]) and all(torch.equal(a.cpu(), b) for a, b in zip(dst, c["dst"],
+                                                                                             strict=True))

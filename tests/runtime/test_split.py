@@ -200,3 +200,22 @@ def test_a_steady_decode_with_bad_input_raises_before_any_change(bad: str) -> No
     m.end_forward()
     assert not m.upload.any_new and (chains.n != before[1]).any()  # the steady decode advanced the rows
     assert m.flush() is not None and sum(r.total for r in m.reports) == 0
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_row_outside_the_slot_table_is_an_input_error_not_a_crash(fast: bool) -> None:
+    """The host bookkeeping treats the row as padding; the plan counts it as an input error (health problem)."""
+    eng, m = setup(n_reqs=2, mode="log")
+    _forward(eng, m, fast)
+    b = _bulk(eng.batch()) if fast else eng.batch()
+    bad = m.pool.req_rows + 3
+    rows = [bad, *list(b.req_pool_indices_host)[1:]]
+    b = dataclasses.replace(b, req_pool_indices=torch.tensor(rows, dtype=b.req_pool_indices.dtype),
+                            req_pool_indices_host=np.asarray(rows) if fast else rows)
+    m.begin_forward(b)
+    m.pre_forward()
+    m.post_forward()
+    m.end_forward()
+    m.flush()
+    assert "input_errors" in [p.kind for p in m.health.problems]
+    assert m.upload.requests.owner.tolist().count(b.request_ids[0]) == 1  # its old row stays its own, nothing new
