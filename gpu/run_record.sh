@@ -6,6 +6,7 @@
 # demo_cuda.json bench_structural.{json,md} bench_policy.{json,md}.
 # Needs .whl with the tvm-ffi wheel (../shared/tools/fetch-gpu-wheels) and a kvcanary wheel (pip wheel --no-deps .
 # where nvcc is), and .hfproto/wheels/transformers-5.23.0 for the transformers tests. Usage: bash gpu/run_record.sh
+# (NO_BENCH=1: skip the two benchmark steps, for a change that leaves every kernel as it was).
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -26,6 +27,7 @@ mkdir -p "$OUT"
     timeout 70 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 9 --print-limit 20 \
       python3 -m tests.gpu.fuzz_bad_inputs --n 3 --large 1; echo "racecheck rc=$?"; } > "$OUT/sanitizer.txt" 2>&1
   grep -E "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.txt"
+  [ -n "${NO_BENCH:-}" ] || {
   echo "=== bench $(date -u +%T)"
   timeout 220 python3 -m bench.bench_gpu --quick --samples 20 --out /tmp/bench_structural | tail -60
   echo "=== policy rows $(date -u +%T)"
@@ -33,7 +35,7 @@ mkdir -p "$OUT"
     --only "policy base,fp default (4,fp default serial,fp default each half,fp default no seal,fp default no look-back" | grep -v "^|" | tail -30
   for variant in structural policy; do
     for f in /tmp/bench_$variant/*.json /tmp/bench_$variant/*.md; do cp "$f" "$OUT/bench_$variant.${f##*.}"; done
-  done
+  done; }
   echo "=== demo $(date -u +%T)"
   timeout 90 python3 -m kvcanary demo --device cuda --json > "$OUT/demo_cuda.json"; echo "demo rc=$?"
   echo "=== JIT builds during the run: $(find /tmp/kvcanary-jit -name '*.so' 2>/dev/null | wc -l) (0 expected)"

@@ -173,11 +173,12 @@ def test_plan_drops_the_flags_of_unknown_truth(fast: bool) -> None:
     assert m.flush() is not None and sum(r.total for r in m.reports) == 0
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("bad", ["token", "dtype", "extend"])
-def test_a_steady_decode_with_bad_input_raises_before_any_change(bad: str) -> None:
+def test_a_steady_decode_with_bad_input_raises_before_any_change(bad: str, backend: str) -> None:
     """begin_decode checks the batch's arrays itself (validate_fit leaves them to it): a bad one raises this library's
     error, the row state stays as it was, and the same forward then runs clean."""
-    eng, m = setup(n_reqs=2)
+    eng, m = setup(n_reqs=2, backend=backend)
     for _ in range(3):
         _forward(eng, m, fast=True)
     b = _bulk(eng.batch())

@@ -64,7 +64,7 @@ class BatchStager:
         for t in staging:
             _check_static(t, rows, truth, tokens)
         self._fn: Stager = _stage_torch
-        self._decode: Decoder = _begin_decode_torch
+        self._decode: Decoder = _begin_decode_checked
         args: list[object] = [*staging, rows, truth, tokens]
         if self.backend != "torch":
             mod = _native.module("cuda" if self.backend == "cuda" else "cpu")
@@ -108,12 +108,19 @@ def begin_decode(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch
     args = (*src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row, *host, true_new, live, h, n, offset,
             seen, prefix, step)
     if b == "torch":
-        _check(src, staging, rows, truth, tokens, pad_rows, pad_tokens)
-        return cast(Decoder, _begin_decode_torch)(*args)
+        return _begin_decode_checked(*args)
     try:
         return int(_native.module(b).begin_decode(*args))
     except (TypeError, ValueError) as err:
         raise CanaryInputError(str(err)) from err
+
+
+def _begin_decode_checked(*args: object) -> int:
+    """The torch reference after stage_batch's checks (the native op checks the same)."""
+    staging, rows, truth, tokens = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], args[6:10])
+    _check(cast(Sequence[torch.Tensor], args[:6]), staging, rows, truth, tokens, cast(int, args[10]),
+           cast(int, args[11]))
+    return cast(Decoder, _begin_decode_torch)(*args)
 
 
 def _begin_decode_torch(req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
