@@ -6,7 +6,8 @@
 # demo_cuda.json bench_structural.{json,md} bench_policy.{json,md}.
 # Needs .whl with the tvm-ffi wheel (../shared/tools/fetch-gpu-wheels) and a kvcanary wheel (pip wheel --no-deps .
 # where nvcc is), and .hfproto/wheels/transformers-5.23.0 for the transformers tests. Usage: bash gpu/run_record.sh
-# (NO_BENCH=1: skip the two benchmark steps, for a change that leaves every kernel as it was).
+# (NO_BENCH=1: skip the two benchmark steps, for a change that leaves every kernel as it was; SRC_PY=1: this tree's
+# Python on the wheel's native library, for Python changed since the wheel was built).
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -15,9 +16,12 @@ mkdir -p "$OUT"
     .whl/*.whl $(ls .hfproto/wheels/*.whl 2>/dev/null) || exit 1
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 KVCANARY_RESULTS_DIR=/tmp/res HF_HUB_OFFLINE=1
   export KVCANARY_CACHE_DIR=/tmp/kvcanary-jit
+  origin=packaged
+  [ -z "${SRC_PY:-}" ] || { origin=native_dir; export PYTHONPATH=$PWD/python:$PWD/generated/python:$PYTHONPATH \
+    KVCANARY_NATIVE_DIR=/tmp/site/kvcanary/_lib; }
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
   python3 -c "from kvcanary import _native; l = _native.load('cuda'); print('cuda module', l.origin, l.path, \
-    _native.build_info()); raise SystemExit(l.origin != 'packaged')" || exit 1
+    _native.build_info()); raise SystemExit(l.origin != '$origin')" || exit 1
   echo "=== gpu tests $(date -u +%T)"
   timeout 240 python3 -m pytest -q -m gpu tests --ignore=tests/disagg -p no:cacheprovider --tb=short --maxfail=40 \
     2>&1 | tail -40

@@ -25,6 +25,7 @@ from kvcanary.errors import KVCanaryInternalError
 from kvcanary.health import CanaryHealthError, Health, HealthProblem
 from kvcanary.report import CanaryViolationError, Metrics, ReportSink, StepBatch, Violation, WindowReport, decode_rows
 from kvcanary.state import CanaryState
+from kvcanary.streams import CurrentStream
 from kvcanary.sweep import SweepSlice
 
 logger = logging.getLogger("kvcanary")
@@ -98,6 +99,7 @@ class Reporter:
         self._alarm_np = self._alarm_host.numpy()
         self._alarm_slots = [self._alarm_host[j:j + 1] for j in range(2)]
         self._alarm_ready = [torch.cuda.Event() for _ in range(2)] if d.type == "cuda" else []  # type: ignore[no-untyped-call]
+        self._stream = CurrentStream(d.index or 0)
         self._alarm_busy = [False, False]  # a slot's copy is in flight (freed by alarmed() once it arrived)
         self._alarm_tags = [0, 0]
         # the owner's bookkeeping of a collected window (sweeps completed, metrics, stats line): (report, snapshot,
@@ -146,7 +148,7 @@ class Reporter:
         j = self._alarm_busy.index(False)
         self._alarm_tags[j] = self.stagings
         self._alarm_slots[j].copy_(self.state.sink.count, non_blocking=True)
-        self._alarm_ready[j].record(torch.cuda.current_stream(self.state.device.index))  # no device lookup
+        self._alarm_ready[j].record(self._stream.get())
         self._alarm_busy[j] = True
 
     def _copy_out(self, k: int) -> Any:

@@ -18,6 +18,7 @@ from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.stage_batch import BAD_VALUE, BatchStager
 from kvcanary.rows import RequestRows
 from kvcanary.state import CanaryState
+from kvcanary.streams import CurrentStream
 from kvcanary.stripes import Stripes
 from kvcanary.truth import BatchTruth, RowChains, all_set
 
@@ -72,7 +73,7 @@ class Upload:
         # CUDA: per staging row, the event after the last stage_batch that read it (reused: a new event per forward
         # costs more host time than the launch; synchronizing one never recorded returns at once)
         self._copied = [torch.cuda.Event() for _ in range(2)] if state.device.type == "cuda" else []  # type: ignore[no-untyped-call]
-        self._device_index = state.device.index if state.device.type == "cuda" else None
+        self._stream = CurrentStream(state.device.index or 0) if state.device.type == "cuda" else None
         # (rows, tokens) of the static batch buffers that may hold a batch's values; everything past them is padding
         # (CanaryState allocates them so)
         self._dirty = (0, 0)
@@ -130,8 +131,8 @@ class Upload:
 
     def _staged(self, k: int, bs: int, nt: int, shape: tuple[int, int]) -> None:
         """After staging a ``bs`` x ``nt`` batch with staging row ``k``: its event, what the static buffers may hold."""
-        if self._copied:  # the staging row is free again once this launch, which reads it in place, has run
-            self._copied[k].record(torch.cuda.current_stream(self._device_index))
+        if self._stream is not None:  # the staging row is free again once this launch, which reads it in place, has run
+            self._copied[k].record(self._stream.get())
         # past a bound shape, what the earlier batch left stays (reset once a later shape reaches it)
         r, t = self._dirty
         self._dirty = (bs if r <= shape[0] else r, nt if t <= shape[1] else t)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from kvcanary.config import CanaryConfig
 from kvcanary.manager import CanaryManager, install
+from kvcanary.streams import CurrentStream
 from kvcanary_schema import CounterCol, FailReason, RecordField, Stage
 
 from .fake_engine import FakeEngine
@@ -241,3 +242,19 @@ def test_long_prefills_take_the_look_back_and_match_the_reference(cfg: dict[str,
     cuda, ref = (m.state.groups[0] for m in managers)
     assert torch.equal(cuda.head.records, ref.head.records) and torch.equal(cuda.tail.records, ref.tail.records)
     assert _rows(managers[0]) == _rows(managers[1]) == []
+
+
+def test_current_stream_follows_torch() -> None:
+    """CurrentStream.get() is the stream torch.cuda.current_stream() names, across a switch and back; an event recorded
+    on it orders after work queued there."""
+    cs, side = CurrentStream(torch.cuda.current_device()), torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    assert cs.get() == torch.cuda.current_stream()
+    with torch.cuda.stream(side):
+        assert cs.get() == side
+        x = torch.ones(1 << 20, device="cuda")
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record(cs.get())
+        y = x * 2
+    assert cs.get() == torch.cuda.current_stream() != side
+    side.synchronize()  # type: ignore[no-untyped-call]
+    assert ev.query() and int(y[0]) == 2  # type: ignore[no-untyped-call]
