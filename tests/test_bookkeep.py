@@ -32,3 +32,25 @@ def test_bad_arguments_raise_before_any_work() -> None:
     with pytest.raises(CanaryInputError, match="acc"):
         bind_bookkeep(c, a.view(2, 2), a.view(2, 2), "cpu")
     assert int(c.sum()) == 0 and int(a.sum()) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_mirror_holds_the_values_tagged_with_the_counter(backend: str) -> None:
+    counter, values = torch.tensor([41, 7]), torch.tensor([3, 9, 5])
+    mirror = torch.full((4,), -1, dtype=torch.int64)
+    op = bind_bookkeep(counter, counter[:0], counter[:0], backend, values, mirror).frozen()
+    op(torch.zeros(1, 1, dtype=torch.int64))
+    assert mirror.tolist() == [42, 3, 9, 5] and counter.tolist() == [42, 8]
+    values[1] = 0
+    op(torch.zeros(1, 1, dtype=torch.int64))
+    assert mirror.tolist() == [43, 3, 0, 5]
+
+
+@pytest.mark.parametrize("bad", ["alone", "length", "no counter", "no values"])
+def test_bad_mirrors_raise(bad: str) -> None:
+    c, v = torch.zeros(1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    mirror = torch.zeros(3, dtype=torch.int64)
+    args = {"alone": (v, None), "length": (v, mirror[:2]), "no counter": (v, mirror),
+            "no values": (v[:0], mirror[:1])}[bad]
+    with pytest.raises(CanaryInputError, match="mirror"):
+        bind_bookkeep(c[:0] if bad == "no counter" else c, c[:0], c[:0], "cpu", *args)

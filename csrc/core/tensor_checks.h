@@ -155,12 +155,21 @@ inline int64_t check_fingerprint_args(DLDeviceType device, const TensorView& tab
 
 // bookkeep: counter int64 [k], acc and src int64 [n], contiguous, on the backend's device.
 inline void check_bookkeep_args(DLDeviceType device, const TensorView& counter, const TensorView& acc,
-                                const TensorView& src) {
+                                const TensorView& src, const TensorView& mirror_src, const TensorView& mirror) {
   check_i64_tensor(counter, counter, 1, "counter", "counter");
   check_device_type(counter, device, "counter");
   check_i64_tensor(acc, counter, 1, "acc", "counter");
   check_i64_tensor(src, counter, 1, "src", "counter");
   check_dim(src, 0, acc.size(0), "src");
+  check_i64_tensor(mirror_src, counter, 1, "mirror_src", "counter");
+  check_i64(mirror, "mirror");
+  check_ndim(mirror, 1, "mirror");
+  check_contiguous(mirror, "mirror");
+  TVM_FFI_CHECK(mirror.device().device_type == kDLCPU || mirror.device().device_type == kDLCUDAHost, ValueError)
+      << "mirror must be host memory";
+  TVM_FFI_CHECK(mirror.size(0) == (mirror_src.size(0) > 0 ? mirror_src.size(0) + 1 : 0), ValueError)
+      << "mirror must have mirror_src's length + 1 entries (0 without a mirror), got " << mirror.size(0);
+  TVM_FFI_CHECK(mirror_src.size(0) == 0 || counter.size(0) > 0, ValueError) << "a mirror needs a counter to tag it";
 }
 
 // scatter_tokens: pool_tokens int64 [R, L], pool_lens [R], rows/starts/counts [n], tokens [T], status [1], one device.

@@ -53,6 +53,16 @@ inline int resident_blocks(Kernel kernel, int threads, int device_id, std::array
 }
 
 // The caller's stream for a device (tvm-ffi sets it to torch's current stream, or the capture stream).
+// The device-mapped address of pinned (page-locked) host memory; a clear error naming `what` for pageable memory, which
+// a kernel cannot reach.
+inline void* mapped_host(const void* host, const char* what) {
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, host);
+  TVM_FFI_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, ValueError)
+      << what << " must be pinned host memory (torch pin_memory=True) on the CUDA backend";
+  return attr.devicePointer;
+}
+
 inline cudaStream_t stream_of(DLDevice dev) {
   return static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
 }

@@ -25,19 +25,9 @@ __global__ void __launch_bounds__(kStageThreads) stage_batch_kernel(StageArgs a)
   }
 }
 
-// The device address of pinned (page-locked) host memory; a clear error for pageable memory, which a kernel cannot
-// read.
-const int64_t* mapped_staging(const int64_t* host) {
-  cudaPointerAttributes attr{};
-  const cudaError_t err = cudaPointerGetAttributes(&attr, host);
-  TVM_FFI_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, ValueError)
-      << "staging must be pinned host memory (torch pin_memory=True) on the CUDA backend";
-  return static_cast<const int64_t*>(attr.devicePointer);
-}
-
 // Checked arguments with the staging rows' device-mapped address (an input error for pageable staging).
 StageArgs mapped(StageArgs a) {
-  if (a.bs > 0) a.staging = mapped_staging(a.staging);
+  if (a.bs > 0) a.staging = static_cast<const int64_t*>(mapped_host(a.staging, "staging"));
   return a;
 }
 

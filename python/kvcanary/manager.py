@@ -218,7 +218,6 @@ class CanaryManager:
         # a window with violation rows is staged at once; clean ones (health, metrics, stats) every report_interval
         if self.reporter.alarmed() or self.forwards % self.config.report_interval == 0:
             self.reporter.stage(self.forwards)
-        self.reporter.watch()
         return self.reporter.collect(block=self.device.type != "cuda") if self.reporter.pending else None
 
     @contextmanager

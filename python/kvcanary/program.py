@@ -158,8 +158,10 @@ class DeviceProgram:
 
         none = st.zeros[:0]
 
-        def tick(counters: torch.Tensor) -> Op:  # pre: first (the step the kernels stamp their rows with)
-            return bind_bookkeep(counters, none, none, self.backend).frozen()
+        def tick(counters: torch.Tensor, alarm: bool = False) -> Op:  # pre: first (the step the kernels stamp their
+            # rows with); post: last, and on CUDA it mirrors the ring count for the host's alarm (Reporter.alarmed)
+            mirror = (st.sink.count, st.alarm) if alarm and st.device.type == "cuda" else (None, None)
+            return bind_bookkeep(counters, none, none, self.backend, *mirror).frozen()
 
         def pre(reuse: bool) -> tuple[Op, ...]:
             ops: list[Op] = [tick(st.pre_tick)]
@@ -170,7 +172,7 @@ class DeviceProgram:
         def post(reuse: bool, side: torch.cuda.Stream | None = None) -> tuple[Op, ...]:
             def role(*names: str, then: tuple[Op, ...] = ()) -> tuple[Op, ...]:
                 return _fused([*(op for g in per_group for name in names for op in g[name]), *then], self.backend)
-            reuse_verify, last = ("reuse_verify",) if reuse else (), (tick(st.post_tick),)
+            reuse_verify, last = ("reuse_verify",) if reuse else (), (tick(st.post_tick, alarm=True),)
             if side is None:  # eager: one stream
                 return role("seal", *reuse_verify, "tail_verify", "tail_write", then=last)
             # captured: the seal beside the TAIL write and the reuse check, after the TAIL verify, whose persistent

@@ -25,7 +25,6 @@ from kvcanary.errors import KVCanaryInternalError
 from kvcanary.health import CanaryHealthError, Health, HealthProblem
 from kvcanary.report import CanaryViolationError, Metrics, ReportSink, StepBatch, Violation, WindowReport, decode_rows
 from kvcanary.state import CanaryState
-from kvcanary.streams import CurrentStream
 from kvcanary.sweep import SweepSlice
 
 logger = logging.getLogger("kvcanary")
@@ -89,19 +88,13 @@ class Reporter:
         self._host_np = [h.numpy() for h in self._host]
         self._events: list[Any] = [None, None]
         # The alarm: the ring count (rows emitted since the last staging; it only grows until the next one). CPU: a
-        # view of the live count. CUDA: copied out after each forward into one of two pinned slots, each tagged with
-        # the number of stagings before it, so that a copy taken before a staging never re-raises its rows. The
-        # 8-byte copy goes on the current stream, not the side stream: two host calls instead of about eight (stream
-        # switch, fence, new event) for one small copy in stream order, which also keeps it before the next reset.
+        # view of the live count. CUDA: the post stage's last kernel mirrors it into pinned host memory (state.alarm),
+        # tagged with the device's post-forward phase, so the host reads it with no copy or event. The staging after
+        # forward F resets the count behind forward F's post stage: a mirror tagged <= F holds rows already staged.
         self.stagings = 0
         self._count = state.sink.count.numpy() if d.type != "cuda" else None
-        self._alarm_host = torch.zeros(2, dtype=torch.int64, pin_memory=d.type == "cuda")
-        self._alarm_np = self._alarm_host.numpy()
-        self._alarm_slots = [self._alarm_host[j:j + 1] for j in range(2)]
-        self._alarm_ready = [torch.cuda.Event() for _ in range(2)] if d.type == "cuda" else []  # type: ignore[no-untyped-call]
-        self._stream = CurrentStream(d.index or 0)
-        self._alarm_busy = [False, False]  # a slot's copy is in flight (freed by alarmed() once it arrived)
-        self._alarm_tags = [0, 0]
+        self._alarm = state.alarm.numpy()
+        self._staged_at = 0  # the host forward the last staging followed
         # the owner's bookkeeping of a collected window (sweeps completed, metrics, stats line): (report, snapshot,
         # sweeps staged in the window)
         self.on_report: Callable[[WindowReport, Snapshot, int], None] | None = None
@@ -124,32 +117,16 @@ class Reporter:
                                      self.health.expected_forwards, self.sweeps_staged))
         self.sweeps_staged = 0
         self.window_first = forwards + 1
+        self._staged_at = forwards
         self.stagings += 1
 
     def alarmed(self) -> bool:
         """Whether violation rows were emitted since the last staging: CPU as of now, CUDA as of the latest forward
-        whose count copy has arrived (never waits)."""
+        whose post stage has run (never waits)."""
         if self._count is not None:
             return bool(self._count[0])
-        hit = False
-        for j, ev in enumerate(self._alarm_ready):
-            if self._alarm_busy[j] and ev.query():  # type: ignore[no-untyped-call]
-                self._alarm_busy[j] = False
-                hit |= self._alarm_tags[j] == self.stagings and bool(self._alarm_np[j])
-        return hit
-
-    def watch(self) -> None:
-        """CUDA: copy the ring count after the work queued so far to a free pinned slot (slots are freed by
-        :meth:`alarmed`)."""
-        if self._count is not None:
-            return
-        if all(self._alarm_busy):  # both in flight: a later forward's copy covers this one (the count only grows
-            return                 # until a staging, which snapshots the rows first)
-        j = self._alarm_busy.index(False)
-        self._alarm_tags[j] = self.stagings
-        self._alarm_slots[j].copy_(self.state.sink.count, non_blocking=True)
-        self._alarm_ready[j].record(self._stream.get())
-        self._alarm_busy[j] = True
+        tag = int(self._alarm[0])  # the tag first: the kernel writes it after the count
+        return tag > self._staged_at and bool(self._alarm[1])
 
     def _copy_out(self, k: int) -> Any:
         """CUDA: the snapshot to pinned host memory on the side stream, and its event; CPU: True (already there)."""

@@ -93,6 +93,8 @@ class CanaryState:
         self.sink.validate(d)
         # pre-forward count [0] and post-forward count [1]: advanced inside the (captured) bracket
         self.phase = self.arena[1:3]
+        # CUDA: (post-forward phase, ring count) mirrored by the post stage's last kernel into pinned host memory
+        self.alarm = torch.zeros(2, dtype=torch.int64, pin_memory=d.type == "cuda")
         # a running max of plan status over the reporting window (input errors, overflow)
         self.window_status = self.arena[o + 1:o + 1 + n_ws].view(len(self.groups), NUM_PLAN_STATUS_COLS)
         # static batch buffers, filled by one stage_batch per forward: the bracket's device parts read only these.

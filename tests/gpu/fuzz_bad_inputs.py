@@ -6,6 +6,7 @@ import argparse
 import random
 
 import torch
+from kvcanary.ops.bookkeep import bind_bookkeep
 from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.plan import plan_forward, plan_roll
 from kvcanary.ops.scatter_tokens import scatter_tokens
@@ -87,6 +88,11 @@ def main() -> None:
                     rng.randint(nt, tc), -1, backend="cuda")
         # a steady decode's truth and staging (declines, bad values and steady batches)
         TO._run_decode(TO._decode_case(rng), "cuda", dev)
+        # the post tick's mirror into pinned host memory
+        tick = torch.zeros(1, dtype=torch.int64, device=dev)
+        vals = torch.randint(0, 9, (rng.randint(1, 3),), device=dev)
+        mirror = torch.zeros(vals.shape[0] + 1, dtype=torch.int64).pin_memory()
+        bind_bookkeep(tick, tick[:0], tick[:0], "cuda", vals, mirror).frozen()(tick)
         if sc.fp is not None:
             src = fp_to(sc.fp, dev)
             assert src is not None

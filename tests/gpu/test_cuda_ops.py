@@ -490,6 +490,41 @@ def test_bookkeep_matches(k: int, n: int) -> None:
         assert torch.equal(c, outs[0][0]) and torch.equal(a, outs[0][1])
 
 
+@pytest.mark.parametrize("backend", ["cuda", "torch"])
+def test_bookkeep_mirror_replays_in_a_graph(backend: str) -> None:
+    """The mirror in pinned host memory, written by a captured bookkeep on every replay: the tag is the counter after
+    the replay and the values are the device values of that replay (read after a sync, no copy)."""
+    counter, values = torch.tensor([5], device=CUDA), torch.tensor([0, 0], device=CUDA)
+    mirror = torch.full((3,), -1, dtype=torch.int64, pin_memory=True)
+    # not frozen: its torch tensor arguments give tvm-ffi the capture stream (a frozen op alone would launch on the
+    # default stream; in the runtime it runs inside a sequence that takes the slot table)
+    op = bind_bookkeep(counter, counter[:0], counter[:0], backend, values, mirror)
+    table = torch.zeros(1, 1, dtype=torch.int64, device=CUDA)
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        op(table)
+    torch.cuda.current_stream().wait_stream(side)
+    for r in range(1, 4):
+        values.copy_(torch.tensor([r, 10 * r]))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert mirror.tolist() == [5 + r, r, 10 * r]
+
+
+def test_bookkeep_mirror_must_be_pinned() -> None:
+    counter, values = torch.zeros(1, dtype=torch.int64, device=CUDA), torch.zeros(1, dtype=torch.int64, device=CUDA)
+    for backend in ("cuda", "torch"):
+        with pytest.raises(CanaryInputError, match="pinned"):
+            bind_bookkeep(counter, counter[:0], counter[:0], backend, values, torch.zeros(2, dtype=torch.int64))
+    from kvcanary import _native  # noqa: PLC0415
+
+    mod = _native.module("cuda")  # the native entry checks it too (the binder is not the only caller)
+    with pytest.raises(ValueError, match="pinned"):
+        mod.bookkeep(counter, counter[:0], counter[:0], values, torch.zeros(2, dtype=torch.int64))
+    assert int(counter[0]) == 0
+
+
 # ---- stage_batch -------------------------------------------------------------------------------------------------
 
 def _stage_case(rng: random.Random) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], int, int, int]:
