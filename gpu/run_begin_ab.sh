@@ -7,16 +7,12 @@
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+source gpu/ab_common.sh
 side_env() {  # side_env ROOT SITE: ROOT's Python and this tree's bench, SITE's native library, tvm-ffi from /tmp/site
   export PYTHONPATH=$1/python:$1/generated/python:/tmp/site:$PWD KVCANARY_NATIVE_DIR=$2/kvcanary/_lib
 }
 {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/siteA \
-    .ab/wheelA/*.whl || exit 1
-  export PYTHONUNBUFFERED=1 KVCANARY_CACHE_DIR=/tmp/kvcanary-jit
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+  ab_install || exit 1
   for run in 1 2; do
     for side in A B; do
       echo "=== bench_runtime $side$run $(date -u +%T)"
@@ -28,6 +24,5 @@ side_env() {  # side_env ROOT SITE: ROOT's Python and this tree's bench, SITE's 
   side_env "$PWD" /tmp/site
   echo "=== demo B $(date -u +%T)"
   timeout 120 python3 -m kvcanary demo --device cuda --json > "$OUT/demo_cuda.json"; echo "demo rc=$?"
-  echo "=== JIT builds during the run: $(find /tmp/kvcanary-jit -name '*.so' 2>/dev/null | wc -l) (0 expected)"
-  echo "=== done $(date -u +%T)"
+  ab_done
 } 2>&1 | tee "$OUT/ab_log.txt"

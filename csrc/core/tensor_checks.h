@@ -51,6 +51,11 @@ inline void check_device_type(const TensorView& t, DLDeviceType want, const char
       << name << " is on the wrong device type for this backend (" << t.device().device_type << ")";
 }
 // An int64 contiguous 1-D or N-D tensor, on `ref`'s device.
+inline void check_host_memory(const TensorView& t, const char* name) {
+  TVM_FFI_CHECK(t.device().device_type == kDLCPU || t.device().device_type == kDLCUDAHost, ValueError)
+      << name << " must be host memory";
+}
+
 inline void check_i64_tensor(const TensorView& t, const TensorView& ref, int ndim, const char* name,
                              const char* ref_name) {
   check_i64(t, name);
@@ -165,8 +170,7 @@ inline void check_bookkeep_args(DLDeviceType device, const TensorView& counter, 
   check_i64(mirror, "mirror");
   check_ndim(mirror, 1, "mirror");
   check_contiguous(mirror, "mirror");
-  TVM_FFI_CHECK(mirror.device().device_type == kDLCPU || mirror.device().device_type == kDLCUDAHost, ValueError)
-      << "mirror must be host memory";
+  check_host_memory(mirror, "mirror");
   TVM_FFI_CHECK(mirror.size(0) == (mirror_src.size(0) > 0 ? mirror_src.size(0) + 1 : 0), ValueError)
       << "mirror must have mirror_src's length + 1 entries (0 without a mirror), got " << mirror.size(0);
   TVM_FFI_CHECK(mirror_src.size(0) == 0 || counter.size(0) > 0, ValueError) << "a mirror needs a counter to tag it";
@@ -220,8 +224,7 @@ inline StageArgs check_stage_args(DLDeviceType device, const TensorView (&src)[6
   check_i64(staging, "staging");
   check_ndim(staging, 2, "staging");
   check_contiguous(staging, "staging");
-  TVM_FFI_CHECK(staging.device().device_type == kDLCPU || staging.device().device_type == kDLCUDAHost, ValueError)
-      << "staging must be host memory";
+  check_host_memory(staging, "staging");
   check_dim(staging, 0, truth.size(0), "staging");
   TVM_FFI_CHECK(staging.size(1) >= a.bs, ValueError)
       << "staging has " << staging.size(1) << " columns, the batch has " << a.bs << " rows";

@@ -49,8 +49,9 @@ class Coverage:
 
     def fraction(self) -> float:
         """Fraction of live slots verified at least once in the window (1.0 when nothing is live)."""
-        live = self.live_slots()
-        return 1.0 if live == 0 else (sum(self.verified.values()) + self._whole()) / live
+        whole = self._whole()
+        live = sum(self.live.values()) + whole
+        return 1.0 if live == 0 else (sum(self.verified.values()) + whole) / live
 
     def next_window(self, step: int) -> Coverage:
         """An empty window after forward ``step``."""

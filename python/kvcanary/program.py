@@ -119,7 +119,7 @@ class DeviceProgram:
     def bound_shape(self, bs: int, nt: int) -> Shape:
         """The shape a (bs, nt) batch runs at: each rounded up to a power of two within the capacities, so that an
         engine whose batches vary every forward binds a handful of shapes instead of one per batch. The rows and
-        tokens past the batch are padding (``Upload.stage``): a row at the pool's padding row plans nothing, a token
+        tokens past the batch are padding (``Upload.begin``): a row at the pool's padding row plans nothing, a token
         at out_cache_loc -1 is never written, so the ops' results are those of the batch itself. A pool without a
         padding row (-1) keeps the exact batch size: there a row of -1 is an input error (docs/ops-contract.md 2)."""
         if (bs, nt) != self._last_batch:
