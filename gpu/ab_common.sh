@@ -1,6 +1,6 @@
 # Sourced by the A/B scripts (gpu/run_host_ab.sh, gpu/run_kernel_ab.sh, gpu/run_begin_ab.sh): two kvcanary wheels
-# side by side on one GPU machine, this tree's (B: .whl, installed in /tmp/site with the tvm-ffi wheel) and an earlier commit's (A:
-# .ab/wheelA, in /tmp/siteA, found first on A's path). Both sides run this tree's bench code.
+# side by side on one GPU machine, this tree's (B: .whl, installed in /tmp/site with the tvm-ffi wheel) and an earlier
+# commit's (A: .ab/wheelA, in /tmp/siteA, found first on A's path). Both sides run this tree's bench code.
 
 # Install both sites and print the GPU.
 ab_install() {
