@@ -15,8 +15,7 @@ namespace {
 
 constexpr int kStageThreads = 256;
 
-__global__ void __launch_bounds__(kStageThreads) stage_batch_kernel(StageArgs a) {
-  await_prior_kernels();
+__device__ __forceinline__ void stage_grid(const StageArgs& a) {
   const int64_t n = a.pad_rows > a.pad_tokens ? a.pad_rows : a.pad_tokens;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kStageThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kStageThreads) {
@@ -25,20 +24,63 @@ __global__ void __launch_bounds__(kStageThreads) stage_batch_kernel(StageArgs a)
   }
 }
 
+__global__ void __launch_bounds__(kStageThreads) stage_batch_kernel(StageArgs a) {
+  await_prior_kernels();
+  stage_grid(a);
+}
+
+// The staging rows of a batch of at most STAGE_INLINE_ROWS rows, passed by value in the launch (docs/ops-contract.md
+// 8c): the host then writes no memory that a launch still in flight may read.
+struct InlineStaging {
+  int64_t v[kStagingRows][STAGE_INLINE_ROWS];
+};
+
+__global__ void __launch_bounds__(kStageThreads)
+    stage_inline_kernel(StageArgs a, const __grid_constant__ InlineStaging s) {
+  await_prior_kernels();
+  a.staging = &s.v[0][0];  // the launch's parameter space (__grid_constant__: addressable, not copied)
+  stage_grid(a);
+}
+
 // Checked arguments with the staging rows' device-mapped address (an input error for pageable staging).
 StageArgs mapped(StageArgs a) {
   if (a.bs > 0) a.staging = static_cast<const int64_t*>(mapped_host(a.staging, "staging"));
   return a;
 }
 
+// The grid of a staging launch: a thread per row and per token of the bound shape (0: nothing to stage).
+int64_t stage_blocks(const StageArgs& a, int device_id) {
+  const int64_t n = std::max(a.pad_rows, a.pad_tokens);
+  return std::min<int64_t>((n + kStageThreads - 1) / kStageThreads, 4 * static_cast<int64_t>(sm_count(device_id)));
+}
+
 // `a` from mapped().
 void launch_stage(const StageArgs& a, const DLDevice& dev) {
-  const int64_t n = std::max(a.pad_rows, a.pad_tokens);
-  if (n == 0) return;
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
-  const int64_t blocks = (n + kStageThreads - 1) / kStageThreads;
-  const int64_t grid = std::min<int64_t>(blocks, 4 * static_cast<int64_t>(sm_count(dev.device_id)));
-  launch_kernel(stage_batch_kernel, static_cast<unsigned>(grid), kStageThreads, stream_of(dev), dev.device_id, a);
+  const int64_t grid = stage_blocks(a, dev.device_id);
+  if (grid > 0) {
+    launch_kernel(stage_batch_kernel, static_cast<unsigned>(grid), kStageThreads, stream_of(dev), dev.device_id, a);
+  }
+}
+
+// A steady decode of at most STAGE_INLINE_ROWS rows: the truth into the launch's own staging rows, the staging buffer
+// neither read nor written (nor required pinned).
+int64_t begin_decode_inline(StageArgs a, const TensorView& host_rows, const TensorView& host_pre,
+                            const TensorView& host_ext, const TensorView& true_new, const TensorView& live,
+                            const TensorView& h, const TensorView& n, int64_t offset, const TensorView& seen,
+                            const TensorView& prefix, int64_t step, const DLDevice& dev) {
+  InlineStaging s;
+  a.staging_cols = STAGE_INLINE_ROWS;
+  const int64_t got = begin_decode_host(a, &s.v[0][0], host_rows, host_pre, host_ext, true_new, live, h, n, offset,
+                                        seen, prefix, step);
+  if (got < 0) return got;
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  const int64_t grid = stage_blocks(a, dev.device_id);
+  if (grid > 0) {
+    launch_kernel(stage_inline_kernel, static_cast<unsigned>(grid), kStageThreads, stream_of(dev), dev.device_id, a,
+                  s);
+  }
+  return got;
 }
 
 }  // namespace
@@ -53,7 +95,8 @@ void stage_batch(TensorView req_pool_indices, TensorView prefix_lens, TensorView
 }
 
 // docs/ops-contract.md 8c: the steady decode's truth into the pinned staging rows on the host, then the staging
-// launch that reads them in place (only after a steady decode: result >= 0).
+// launch that reads them in place (only after a steady decode: result >= 0); a batch of at most STAGE_INLINE_ROWS
+// rows passes them in the launch instead.
 int64_t begin_decode(TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens,
                      TensorView input_ids, TensorView positions, TensorView out_cache_loc, TensorView staging,
                      TensorView rows, TensorView truth, TensorView tokens, int64_t pad_rows, int64_t pad_tokens,
@@ -61,9 +104,13 @@ int64_t begin_decode(TensorView req_pool_indices, TensorView prefix_lens, Tensor
                      TensorView true_new, TensorView live, TensorView h, TensorView n, int64_t offset,
                      TensorView seen, TensorView prefix, int64_t step) {
   const TensorView src[6] = {req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc};
-  // every check (the staging's pinning included) before the decode writes anything
-  const StageArgs a =
-      mapped(check_stage_args(kDLCUDA, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row));
+  const StageArgs checked =
+      check_stage_args(kDLCUDA, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row);
+  if (checked.bs <= STAGE_INLINE_ROWS) {
+    return begin_decode_inline(checked, host_rows, host_pre, host_ext, true_new, live, h, n, offset, seen, prefix,
+                               step, rows.device());
+  }
+  const StageArgs a = mapped(checked);  // every check (the staging's pinning included) before the decode writes
   const int64_t got = begin_decode_host(a, static_cast<int64_t*>(staging.data_ptr()), host_rows, host_pre, host_ext,
                                         true_new, live, h, n, offset, seen, prefix, step);
   if (got >= 0) launch_stage(a, rows.device());

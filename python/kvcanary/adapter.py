@@ -183,12 +183,7 @@ class BatchView:
         if n > token_capacity:
             raise CanaryInputError(f"batch has {n} tokens, the canary was installed for "
                                    f"token_capacity={token_capacity}")
-        table = self.req_to_token
-        if table is not checked_table or not table.is_contiguous():
-            check_tensor(table, "batch.req_to_token", dtype=_INDEX_DTYPES, ndim=2, device=device)
-        if table.shape[1] != pool.table_cols or table.shape[0] > pool.req_rows:
-            raise CanaryInputError(f"batch.req_to_token has shape {tuple(table.shape)}, the pool's slot table is "
-                                   f"[<= {pool.req_rows}, {pool.table_cols}]")
+        self.check_table(pool, device, checked_table)
         for name, given in (("request_ids", self.request_ids), ("prefix_lens_host", self.prefix_lens_host),
                             ("extend_lens_host", self.extend_lens_host)):
             if len(given) != bs:
@@ -201,6 +196,17 @@ class BatchView:
             raise CanaryInputError(f"batch.true_new_tokens has {len(new)} entries, the batch has {n} new tokens")
         if self.token_offset is not None and self.token_offset < 0:
             raise CanaryInputError(f"batch.token_offset must be >= 0, got {self.token_offset}")
+
+    def check_table(self, pool: PoolDescription, device: torch.device,
+                    checked_table: torch.Tensor | None = None) -> None:
+        """The slot table's fit (part of :meth:`validate_fit`): dtype and device, unless it is ``checked_table`` (which
+        passed before: its dtype and device cannot change), then layout and shape."""
+        table = self.req_to_token
+        if table is not checked_table or not table.is_contiguous():
+            check_tensor(table, "batch.req_to_token", dtype=_INDEX_DTYPES, ndim=2, device=device)
+        if table.shape[1] != pool.table_cols or table.shape[0] > pool.req_rows:
+            raise CanaryInputError(f"batch.req_to_token has shape {tuple(table.shape)}, the pool's slot table is "
+                                   f"[<= {pool.req_rows}, {pool.table_cols}]")
 
     def validate_arrays(self, device: torch.device) -> None:
         """The part of :meth:`validate` that the native ``begin_decode`` also checks (docs/ops-contract.md 8c): the six

@@ -129,45 +129,85 @@ class CanaryManager:
         """Host part before the forward: report the last window, check capacities, upload token truth, perturb."""
         if not self.enabled:
             return
-        if self._phase != _Phase.IDLE:
+        if self._phase is not _Phase.IDLE:
             raise CanaryBracketError(f"begin_forward while a forward is open (phase {self._phase.name}); "
                                      "brackets do not nest")
         kind = _KINDS.get(kind) or ForwardKind(kind)  # a dict lookup: the enum's call costs microseconds
-        if kind == ForwardKind.CAPTURE and self.device.type != "cuda":
+        if not self._begin_steady(batch, kind):
+            self._begin(batch, kind)
+        self._batch = batch
+        self._kind = kind
+        self._phase = _Phase.BEGUN
+
+    def _begin_steady(self, batch: BatchView, kind: ForwardKind) -> bool:
+        """The common forward, a steady decode (every request continues its row by one known token; nothing to
+        perturb, no capture): its checks and upload in one native call (:meth:`Upload.steady`). False, with nothing
+        changed, for any other forward (:meth:`_begin` takes it and raises what it finds). The checks of
+        ``BatchView.validate`` not made here are implied: the host facts' lengths and the arrays by the native call,
+        the request ids by the held rows, the token offset by the row chains' own."""
+        cfg, tokens = self.config, batch.input_ids
+        if kind is ForwardKind.CAPTURE or self.perturber.enabled or not isinstance(tokens, torch.Tensor):
+            return False
+        bs, nt, tt = len(batch.req_pool_indices_host), tokens.shape[0], batch.true_tokens
+        if bs > cfg.req_capacity or nt > cfg.token_capacity or (tt is not None and len(tt) != bs):
+            return False
+        batch.check_table(self.pool, self.device, self._table)
+        table = batch.req_to_token
+        if kind is ForwardKind.REPLAY and (bs, nt, table.data_ptr()) not in self._captured:
+            return False
+        step = self.forwards + 1
+        shape = self.program.bound_shape(bs, nt)
+        if not self.upload.steady(batch, step, shape):
+            return False
+        self._begun(batch, kind, step, shape, table)
+        self._report_due()
+        return True
+
+    def _begin(self, batch: BatchView, kind: ForwardKind) -> None:
+        """begin_forward of any forward: every check, then the perturbation and the upload (:meth:`Upload.begin`)."""
+        if kind is ForwardKind.CAPTURE and self.device.type != "cuda":
             raise CanaryBracketError("kind='capture' needs a CUDA device")
         batch.validate_fit(self.pool, self.config.req_capacity, self.config.token_capacity, self.device, self._table)
         bs, nt, table = batch.batch_size, batch.num_tokens, batch.req_to_token
         key = (bs, nt, table.data_ptr())
-        if kind == ForwardKind.REPLAY and key not in self._captured:
+        if kind is ForwardKind.REPLAY and key not in self._captured:
             raise CanaryBracketError(f"replay of a batch shape (bs={bs}, tokens={nt}) / slot table that was "
                                      "never captured")
-        if self.reporter.alarmed():  # CUDA: rows of an earlier forward whose count arrived since its end_forward
-            self.reporter.stage(self.forwards)
-        if self.reporter.pending:
-            self.reporter.collect(block=False)
+        self._report_due()
         step = self.forwards + 1
-        if kind != ForwardKind.CAPTURE and self.perturber.enabled:
+        capture = kind is ForwardKind.CAPTURE
+        if not capture and self.perturber.enabled:
             wants = (self._sweep_due(step) or self._rolling) and self.perturber.wants_export()
             self.perturber.before_forward(batch, step, self._export() if wants else None)
-        capture = kind == ForwardKind.CAPTURE
         shape = self.program.bound_shape(bs, nt)
         self.upload.begin(batch, step, capture, shape)
-        self._table = table
         if capture:
             self._captured.add(key)
             self.program.pinned.add(shape)
-        else:
+        self._begun(batch, kind, step, shape, table)
+
+    def _begun(self, batch: BatchView, kind: ForwardKind, step: int, shape: tuple[int, int],
+               table: torch.Tensor) -> None:
+        """After the upload of forward ``step``: its slot table, its requests for the report, its device stages."""
+        self._table = table
+        if kind is not ForwardKind.CAPTURE:
             offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
             self.reporter.step_batches[step] = StepBatch(tuple(batch.request_ids), offset)
-        if kind != ForwardKind.REPLAY:
+        if kind is not ForwardKind.REPLAY:
             stages = self.program.stages(shape, table)
+            capture = kind is ForwardKind.CAPTURE
             # eager: the reuse check only when a request is new; captured graphs always hold it (a replay may carry
             # a new request, e.g. disaggregated decode)
             self._reuse = capture or (self.upload.any_new and self.program.has_reuse)
             self._ops = (stages.pre[self._reuse], stages.post_graph if capture else stages.post[self._reuse])
-        self._batch = batch
-        self._kind = kind
-        self._phase = _Phase.BEGUN
+
+    def _report_due(self) -> None:
+        """Before a forward: stage a window whose violation rows have arrived (CUDA: rows of an earlier forward whose
+        count arrived since its end_forward), collect the windows that came back."""
+        if self.reporter.alarmed():
+            self.reporter.stage(self.forwards)
+        if self.reporter.pending:
+            self.reporter.collect(block=False)
 
     def pre_forward(self) -> None:
         """Device part before the model forward: plan, HEAD verify and write. No syncs, no allocations."""

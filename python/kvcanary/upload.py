@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvcanary_schema import TOKEN_LIMIT, PlanFlag, TokenTruth
+from kvcanary_schema import STAGE_INLINE_ROWS, TOKEN_LIMIT, PlanFlag, TokenTruth
 
 from kvcanary import _native
 from kvcanary.adapter import BatchView, PoolDescription
@@ -78,33 +78,69 @@ class Upload:
         # (CanaryState allocates them so)
         self._dirty = (0, 0)
         self.any_new = True
+        # begin_decode serves the batches of this config: bulk token truth, the FULL policy
+        self._decodes = self.stripes is None and config.token_truth == TokenTruth.CHAIN
+        # batches up to this many rows: the CUDA begin_decode passes their staging rows in its launch (no staging row
+        # used, so no event to wait for or record)
+        self._inline = STAGE_INLINE_ROWS if self._stage.backend == "cuda" else 0
+
+    def steady(self, batch: BatchView, step: int, shape: tuple[int, int]) -> bool:
+        """A steady decode (forward ``step``, bound ``shape``): every live request holds its row and continues it with
+        one new token whose truth is given, under the FULL policy and CHAIN truth. Checked, hashed and staged by one
+        native call (``begin_decode``, docs/ops-contract.md 8c). False, with nothing changed, for any other batch
+        (:meth:`begin` takes it); bad input raises CanaryInputError (``BatchView.validate``'s message where it has
+        one) before anything changes. The caller has checked the batch's fit (capacities, slot table)."""
+        new = batch.true_new_tokens
+        if not self._decodes or new is None or batch.expected_chains is not None or \
+                self._offset(batch) != self.chains.offset:
+            return False
+        ids = batch.request_ids
+        try:
+            rows = host_i64(batch.req_pool_indices_host)
+            if not self._held(rows, ids):
+                return False
+            live = rows != self.pool.padding_row
+            if None in ids:  # a C-level scan: np.not_equal on an object array costs far more
+                live &= np.not_equal(request_keys(ids), None)  # type: ignore[call-overload]
+            bs, nt = rows.shape[0], batch.input_ids.shape[0]
+            k = self._index if bs > self._inline else None  # None: the launch carries the staging rows itself
+            if k is not None and self._copied:
+                self._copied[k].synchronize()
+            pads = self._pads(bs, nt, shape)
+            got = self._stage.decode((batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids,
+                                      batch.positions, batch.out_cache_loc), self._index, *pads,
+                                     (rows, host_i64(batch.prefix_lens_host), host_i64(batch.extend_lens_host)),
+                                     host_array(new), live, self._row_state, self.chains.offset, step)
+        except (TypeError, ValueError) as err:  # the native checks: this library's error for the same input
+            cfg = self.config
+            batch.validate(self.pool, cfg.req_capacity, cfg.token_capacity, self.state.device)
+            raise CanaryInputError(f"batch: {err}") from err
+        if got == BAD_VALUE:
+            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
+        if got < 0:
+            return False
+        self.any_new = False  # every request holds its row and continues it, no stripes
+        self._staged(k, bs, nt, shape)
+        return True
 
     def begin(self, batch: BatchView, step: int, capture: bool, shape: tuple[int, int]) -> None:
         """Token truth, stripe ends and reuse ends of ``batch`` (forward ``step``) staged with the batch into the static
-        buffers, padded to the bound ``shape``. A steady decode is one native call (``begin_decode``) that also checks
-        the batch's arrays; anything else checks them here (``BatchView.validate_arrays``) before any state changes.
-        The caller has run ``BatchView.validate_fit``."""
+        buffers, padded to the bound ``shape``, for any batch (a steady decode takes :meth:`steady`). The caller has
+        run ``BatchView.validate_fit``; the arrays are checked here before any state changes."""
+        batch.validate_arrays(self.state.device)
         ids = batch.request_ids
         rows, pre, ext = host_i64(batch.req_pool_indices_host), host_i64(batch.prefix_lens_host), \
             host_i64(batch.extend_lens_host)
         live = rows != self.pool.padding_row
-        if None in ids:  # a C-level scan: np.not_equal on an object array costs far more
+        if None in ids:
             live &= np.not_equal(request_keys(ids), None)  # type: ignore[call-overload]
         k = self._index
-        self._index ^= 1
         if self._copied:
             self._copied[k].synchronize()
         bs, nt = rows.shape[0], batch.num_tokens
         pads = self._pads(bs, nt, shape)
         src = (batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
                batch.out_cache_loc)
-        if not capture and self._decodes(batch) and self._held(rows, ids):
-            if self._decode(batch, src, k, pads, rows, pre, ext, live, step) >= 0:  # the rows that ran noted too
-                self.any_new = False  # every request holds its row and continues it, no stripes
-                self._staged(k, bs, nt, shape)
-                return
-        else:  # begin_decode, even when it declines, has checked every array
-            batch.validate_arrays(self.state.device)
         inside = (rows >= 0) & (rows < self.pool.req_rows)
         if not all_set(inside):  # rows outside the slot table: the plan counts them as input errors; here they are
             live &= inside       # padding
@@ -129,10 +165,13 @@ class Upload:
         rows, tokens = self._dirty
         return max(bs, min(rows, shape[0])), max(nt, min(tokens, shape[1]))
 
-    def _staged(self, k: int, bs: int, nt: int, shape: tuple[int, int]) -> None:
-        """After staging a ``bs`` x ``nt`` batch with staging row ``k``: its event, what the static buffers may hold."""
-        if self._stream is not None:  # the staging row is free again once this launch, which reads it in place, has run
-            self._copied[k].record(self._stream.get())
+    def _staged(self, k: int | None, bs: int, nt: int, shape: tuple[int, int]) -> None:
+        """After staging a ``bs`` x ``nt`` batch with staging row ``k`` (None: none, the launch carried its rows): the
+        row's event, the next row, what the static buffers may hold."""
+        if k is not None:
+            self._index ^= 1
+            if self._stream is not None:  # the row is free again once this launch, which reads it in place, has run
+                self._copied[k].record(self._stream.get())
         # past a bound shape, what the earlier batch left stays (reset once a later shape reaches it)
         r, t = self._dirty
         self._dirty = (bs if r <= shape[0] else r, nt if t <= shape[1] else t)
@@ -144,27 +183,6 @@ class Upload:
             return bool(self.requests.owner[rows].tolist() == (ids if isinstance(ids, list) else list(ids)))
         except IndexError:
             return False
-
-    def _decodes(self, batch: BatchView) -> bool:
-        """Whether the batch may be a steady decode for ``begin_decode``: bulk token truth, the FULL policy."""
-        return self.stripes is None and batch.true_new_tokens is not None and batch.expected_chains is None and \
-            self.config.token_truth == TokenTruth.CHAIN and self._offset(batch) == self.chains.offset
-
-    def _decode(self, batch: BatchView, src: tuple[torch.Tensor, ...], k: int, pads: tuple[int, int], rows: np.ndarray,
-                pre: np.ndarray, ext: np.ndarray, live: np.ndarray, step: int) -> int:
-        """begin_decode: the unknown new tokens' count (>= 0), or NOT_STEADY with nothing changed."""
-        new = batch.true_new_tokens
-        if new is None:
-            raise KVCanaryInternalError("begin_decode without true_new_tokens: an invariant of begin was broken")
-        try:
-            got = self._stage.decode(src, k, *pads, (rows, pre, ext), host_array(new), live, self._row_state,
-                                     self.chains.offset, step)
-        except (TypeError, ValueError) as err:  # the native checks: this library's error for the same input
-            batch.validate_arrays(self.state.device)
-            raise CanaryInputError(f"batch: {err}") from err
-        if got == BAD_VALUE:
-            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
-        return got
 
     def _claim(self, rows: np.ndarray, keys: np.ndarray, claims: np.ndarray, pre: np.ndarray, capture: bool,
                reuse_end: np.ndarray) -> None:

@@ -86,8 +86,9 @@ def main() -> None:
         dst = [torch.zeros(n, c, dtype=torch.int64, device=dev) for n, c in ((3, rc), (5, rc), (3, tc))]
         stage_batch(srcs, torch.randint(-9, 9, (5, bs + rng.randint(0, 2))).pin_memory(), *dst, rng.randint(bs, rc),
                     rng.randint(nt, tc), -1, backend="cuda")
-        # a steady decode's truth and staging (declines, bad values and steady batches)
-        TO._run_decode(TO._decode_case(rng), "cuda", dev)
+        # a steady decode's truth and staging (declines, bad values and steady batches; staging rows in the launch or
+        # in pinned memory)
+        TO._run_decode(TO._decode_case(rng, inline=seed % 2 == 0), "cuda", dev)
         # the post tick's mirror into pinned host memory
         tick = torch.zeros(1, dtype=torch.int64, device=dev)
         vals = torch.randint(0, 9, (rng.randint(1, 3),), device=dev)

@@ -20,6 +20,7 @@ from kvcanary.ops.write import write, write_workspace
 from kvcanary_schema import (
     NUM_PLAN_COLS,
     NUM_PLAN_STATUS_COLS,
+    STAGE_INLINE_ROWS,
     TOKEN_LIMIT,
     FingerprintMode,
     PlanStatusCol,
@@ -582,9 +583,11 @@ def test_stage_batch_replays_in_a_graph() -> None:
 
 # ---- begin_decode ------------------------------------------------------------------------------------------------
 
-def _decode_case(rng: random.Random) -> dict[str, Any]:
-    """A batch over R rows, mostly a steady decode (some rows rewound, some tokens unknown or out of range)."""
-    rows_n, bs = rng.randint(2, 400), rng.randint(0, 300)
+def _decode_case(rng: random.Random, inline: bool = False) -> dict[str, Any]:
+    """A batch over R rows, mostly a steady decode (some rows rewound, some tokens unknown or out of range); ``inline``:
+    at most STAGE_INLINE_ROWS rows (the CUDA op passes the staging rows in its launch), else more."""
+    rows_n = rng.randint(2, 400)
+    bs = rng.randint(0, STAGE_INLINE_ROWS) if inline else rng.randint(STAGE_INLINE_ROWS + 1, 300)
     n = torch.randint(0, 5000, (rows_n,)).numpy()
     rows = [rng.randrange(rows_n) for _ in range(bs)]
     live = [rng.random() < 0.9 for _ in range(bs)]
@@ -615,18 +618,35 @@ def _run_decode(c: dict[str, Any], backend: str, dev: str, pinned: bool = True) 
     return got, [staging, *(t.cpu() for t in dst), *(torch.from_numpy(a) for a in state)]
 
 
-@pytest.mark.parametrize("seed", range(24))
-def test_begin_decode_matches(seed: int) -> None:
-    """CUDA (host decode + the staging launch) against the C++ CPU op and the torch reference on the device."""
-    c = _decode_case(random.Random(seed))
+@pytest.mark.parametrize("inline", [False, True])
+@pytest.mark.parametrize("seed", range(16))
+def test_begin_decode_matches(seed: int, inline: bool) -> None:
+    """CUDA (host decode + the staging launch) against the C++ CPU op and the torch reference on the device; a batch of
+    at most STAGE_INLINE_ROWS rows leaves the CUDA op's staging buffer as it was (its rows travel in the launch)."""
+    c = _decode_case(random.Random(seed), inline)
     outs = {b: _run_decode(c, b, dev) for b, dev in (("cpu", "cpu"), ("cuda", CUDA), ("torch", CUDA))}
     for backend in ("cuda", "torch"):
+        got, want = outs[backend][1], outs["cpu"][1]
+        if inline and backend == "cuda":
+            assert torch.equal(got[0], c["staging"])
+            got, want = got[1:], want[1:]
         assert outs[backend][0] == outs["cpu"][0], backend
-        assert all(torch.equal(a, b) for a, b in zip(outs["cpu"][1], outs[backend][1], strict=True)), backend
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), backend
+
+
+def test_begin_decode_inline_needs_no_pinned_staging() -> None:
+    """A batch of at most STAGE_INLINE_ROWS rows never touches the staging buffer: pageable staging is accepted and
+    the result matches the C++ CPU op."""
+    c = _decode_case(random.Random(3), inline=True)
+    want = _run_decode(c, "cpu", "cpu")
+    got = _run_decode(c, "cuda", CUDA, pinned=False)
+    assert got[0] == want[0] and torch.equal(got[1][0], c["staging"])
+    assert all(torch.equal(a, b) for a, b in zip(want[1][1:], got[1][1:], strict=True))
 
 
 def test_begin_decode_needs_pinned_staging_and_writes_nothing() -> None:
-    """Pageable staging is an input error found before the decode: no row state, staging or buffer changes."""
+    """Pageable staging (read by a batch of more than STAGE_INLINE_ROWS rows) is an input error found before the
+    decode: no row state, staging or buffer changes."""
     c = _decode_case(random.Random(5))
     staging, dst = c["staging"].clone(), [t.to(CUDA) for t in c["dst"]]
     state = [c[k].copy() for k in ("h", "n", "seen", "prefix")]

@@ -220,3 +220,42 @@ def test_a_row_outside_the_slot_table_is_an_input_error_not_a_crash(fast: bool) 
     m.flush()
     assert "input_errors" in [p.kind for p in m.health.problems]
     assert m.upload.requests.owner.tolist().count(b.request_ids[0]) == 1  # its old row stays its own, nothing new
+
+
+def _state(m: CanaryManager) -> list[np.ndarray]:
+    """What a begin_forward leaves: the static batch buffers and the per-row truth and request state."""
+    st, up = m.state, m.upload
+    return [t.cpu().numpy().copy() for t in (st.batch_rows, st.truth_rows, st.batch_tokens)] + \
+        [a.copy() for a in (up.chains.h, up.chains.n, up.requests.seen, up.requests.prefix)]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("view", [False, True])
+def test_the_steady_path_leaves_what_the_general_path_leaves(backend: str, view: bool) -> None:
+    """Padded steady decodes take Upload.steady (one native call) and leave exactly the buffers and row state that the
+    general path (begin_decode switched off) leaves for the same forwards; also when the slot table is a fresh view
+    every forward (as vLLM's block_table[:n])."""
+    engines = [setup(n_reqs=3, backend=backend) for _ in range(2)]
+    engines[1][1].upload._decodes = False  # the general path only
+    taken: list[bool] = []
+    steady = engines[0][1].upload.steady
+
+    def spy(*args: object) -> bool:
+        taken.append(steady(*args))  # type: ignore[arg-type]
+        return taken[-1]
+    engines[0][1].upload.steady = spy  # type: ignore[method-assign]
+    for i in range(6):
+        for eng, m in engines:
+            b = _bulk(eng.batch(pad_to=4))
+            if view:
+                b = dataclasses.replace(b, req_to_token=b.req_to_token[:])
+            m.begin_forward(b)
+            m.pre_forward()
+            eng.forward(b)
+            m.post_forward()
+            m.end_forward()
+        got, want = (_state(m) for _, m in engines)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), i
+    assert taken == [False] + [True] * 5  # the prefill declines (no request holds a row yet), every decode is steady
+    for _, m in engines:
+        assert m.flush() is not None and sum(r.total for r in m.reports) == 0
