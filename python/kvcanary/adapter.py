@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -89,7 +90,7 @@ class PoolDescription:
     # [req_rows, ceil(max_context / P)] of block ids, slot = table[r, c // P] * P + c % P (vLLM's block tables)
     table_page: int = 1
 
-    @property
+    @cached_property  # read by every forward's slot-table check
     def table_cols(self) -> int:
         """Entries per row of the slot table the batches carry."""
         return -(-self.max_context // self.table_page)

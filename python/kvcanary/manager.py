@@ -237,28 +237,29 @@ class CanaryManager:
         """
         if not self.enabled:
             return None
-        replay = self._kind == ForwardKind.REPLAY
+        replay = self._kind is ForwardKind.REPLAY
         want = _Phase.BEGUN if replay else _Phase.POST
-        if self._phase != want:
+        if self._phase is not want:
             raise CanaryBracketError(f"end_forward in phase {self._phase.name}, expected {want.name} for a "
                                      f"{self._kind.value} forward")
         self._phase = _Phase.IDLE
-        if self._kind == ForwardKind.CAPTURE:
+        if self._kind is ForwardKind.CAPTURE:
             return None
-        self.forwards += 1
+        f = self.forwards = self.forwards + 1
         self.health.expect_forward(self._variants[replay or self._reuse])
         if self.perturber.enabled:
-            self.perturber.after_forward(self._batch, self.forwards)
-        if self._sweep_due(self.forwards):
+            self.perturber.after_forward(self._batch, f)
+        if self._sweep_due(f):
             self.sweep()
         elif self._rolling:
             self._roll()
-        if self.forwards % PRUNE_HORIZON == 0:
-            self._prune(self.forwards)
+        if f % PRUNE_HORIZON == 0:
+            self._prune(f)
         # a window with violation rows is staged at once; clean ones (health, metrics, stats) every report_interval
-        if self.reporter.alarmed() or self.forwards % self.config.report_interval == 0:
-            self.reporter.stage(self.forwards)
-        return self.reporter.collect(block=self.device.type != "cuda") if self.reporter.pending else None
+        rep = self.reporter
+        if rep.alarmed() or f % self.config.report_interval == 0:
+            rep.stage(f)
+        return rep.collect(block=self.device.type != "cuda") if rep.pending else None
 
     @contextmanager
     def forward(self, batch: BatchView, kind: ForwardKind | str = ForwardKind.EAGER) -> Iterator[CanaryManager]:
