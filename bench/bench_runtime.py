@@ -4,13 +4,16 @@ targets (#13), plus allocations and syncs of the device parts and the reference 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import gc
 import io
 import json
 import platform
 import pstats
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +111,19 @@ class Workload:
                          host[1], host[2], self.history, true_new_tokens=torch.tensor(ids, dtype=torch.int64))
 
 
+@contextlib.contextmanager
+def _gc_off() -> Iterator[None]:
+    """The timed iterations with Python's cyclic garbage collector off, as timeit does: a collection would land on
+    whichever bracket crosses the threshold and charge it with the benchmark's own garbage (the batches it builds).
+    The canary's own objects are freed by reference counting either way."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _mean_us(seconds: list[float]) -> float | None:
     return round(statistics.fmean(seconds) * 1e6, 1) if seconds else None
 
@@ -174,10 +190,11 @@ def bench_case(bs: int, prefix: int, backend: str, device: torch.device, iters: 
     counter = _OpCounter()
     bracket(w.batch(1), None, counter)
     timed: dict[str, list[float]] = {k: [] for k in ("begin", "pre", "post", "end", "total")}
-    for _ in range(iters):
-        b = w.batch(1)
-        _sync(device)
-        bracket(b, timed, None)
+    with _gc_off():
+        for _ in range(iters):
+            b = w.batch(1)
+            _sync(device)
+            bracket(b, timed, None)
     _sync(device)
     rep = m.flush()
     violations = sum(r.total for r in m.reports)
@@ -213,25 +230,26 @@ def bench_replay(bs: int, prefix: int, backend: str, device: torch.device, iters
     m.end_forward()
     w.rewind(1)  # the capture batch never ran: decode its tokens again
     begin, end, events, window = [], [], [], []
-    for _ in range(iters):
-        b = w.batch(1)
-        _sync(device)
-        marks = (m.reporter.stagings, len(m.reports))
-        ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
-        t0 = time.perf_counter()
-        _host(m.begin_forward, b, kind="replay")
-        t1 = time.perf_counter()
-        ev[0].record()
-        pre_g.replay()
-        post_g.replay()
-        ev[1].record()
-        t2 = time.perf_counter()
-        _host(m.end_forward)
-        t3 = time.perf_counter()
-        begin.append(t1 - t0)
-        end.append(t3 - t2)
-        events.append(ev)
-        window.append(marks != (m.reporter.stagings, len(m.reports)))  # a window staged or collected in it
+    with _gc_off():
+        for _ in range(iters):
+            b = w.batch(1)
+            _sync(device)
+            marks = (m.reporter.stagings, len(m.reports))
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
+            t0 = time.perf_counter()
+            _host(m.begin_forward, b, kind="replay")
+            t1 = time.perf_counter()
+            ev[0].record()
+            pre_g.replay()
+            post_g.replay()
+            ev[1].record()
+            t2 = time.perf_counter()
+            _host(m.end_forward)
+            t3 = time.perf_counter()
+            begin.append(t1 - t0)
+            end.append(t3 - t2)
+            events.append(ev)
+            window.append(marks != (m.reporter.stagings, len(m.reports)))  # a window staged or collected in it
     _sync(device)
     m.flush()
     med = statistics.median
@@ -332,7 +350,8 @@ def main() -> None:
                       f"--req-capacity {a.req_capacity}",
            "note": "host time of one decode bracket (begin/pre/post/end; replay: begin+end around graph replays), "
                    "median; K half, FULL group, token truth chain (bulk form: true_new_tokens), policy full; on CPU "
-                   "the device parts include the op work itself",
+                   "the device parts include the op work itself; Python's cyclic GC off during the timed iterations "
+                   "(as timeit)",
            "rows": rows, "verdicts": lines}
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -21,10 +21,10 @@ from kvcanary_schema import (
 )
 
 from kvcanary.config import CanaryConfig, CanaryMode
-from kvcanary.errors import KVCanaryInternalError
 from kvcanary.health import CanaryHealthError, Health, HealthProblem
 from kvcanary.report import CanaryViolationError, Metrics, ReportSink, StepBatch, Violation, WindowReport, decode_rows
 from kvcanary.state import CanaryState
+from kvcanary.streams import CurrentStream
 from kvcanary.sweep import SweepSlice
 
 logger = logging.getLogger("kvcanary")
@@ -64,8 +64,8 @@ class Snapshot:
 
 
 class Reporter:
-    """Stages reporting windows (double-buffered snapshots; CUDA: copied out on a side stream) and turns collected
-    ones into WindowReports for the sinks, the metrics and the health checks."""
+    """Stages reporting windows (double-buffered host snapshots; CUDA: an async copy on the forward's stream) and turns
+    collected ones into WindowReports for the sinks, the metrics and the health checks."""
 
     def __init__(self, state: CanaryState, config: CanaryConfig, health: Health, metrics: Metrics,
                  sinks: list[ReportSink], page_size: int) -> None:
@@ -81,12 +81,14 @@ class Reporter:
         self._next = 0
         self._last_counters = np.zeros((NUM_LAUNCH_TAGS, NUM_COUNTER_COLS), dtype=np.int64)
         d = state.device
-        size = state.snapshot.numel()
-        self._dev = [torch.zeros(size, dtype=torch.int64, device=d) for _ in range(2)]
-        self._host = [torch.zeros(size, dtype=torch.int64, pin_memory=True) if d.type == "cuda" else self._dev[i]
-                      for i in range(2)]
+        cuda = d.type == "cuda"
+        # two snapshot buffers in host memory (CUDA: pinned, copied into on the forward's stream); per buffer the event
+        # after its copy (reused; CPU: True, the copy is done), None once its window is collected
+        self._host = [torch.zeros(state.snapshot.numel(), dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._host_np = [h.numpy() for h in self._host]
         self._events: list[Any] = [None, None]
+        self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else []  # type: ignore[no-untyped-call]
+        self._stream = CurrentStream(d.index or 0) if cuda else None
         # The alarm: the ring count (rows emitted since the last staging; it only grows until the next one). CPU: a
         # view of the live count. CUDA: the post stage's last kernel mirrors it into pinned host memory (state.alarm),
         # tagged with the device's post-forward phase, so the host reads it with no copy or event. The staging after
@@ -104,15 +106,22 @@ class Reporter:
         return self.window_first <= forwards or bool(self.sweeps_staged)
 
     def stage(self, forwards: int) -> None:
-        """Snapshot counters, ring and plan status of the window on the main stream, reset the ring; copy out."""
+        """Snapshot counters, ring and plan status of the window into host memory on the forward's stream; reset the
+        ring."""
         st = self.state
         k = self._next
         self._next ^= 1
         if self._events[k] is not None:  # the buffer's previous window must have been collected
             self.collect(block=True)
-        self._dev[k].copy_(st.snapshot)
+        # in stream order: the snapshot leaves before the reset (CUDA: an async copy into pinned memory, no extra
+        # buffer or stream)
+        self._host[k].copy_(st.snapshot, non_blocking=True)
         st.reset_span.zero_()
-        self._events[k] = self._copy_out(k)
+        if self._stream is None:
+            self._events[k] = True
+        else:
+            self._copied[k].record(self._stream.get())
+            self._events[k] = self._copied[k]
         self.pending.append(_Pending(k, self.window_first, forwards, self.health.expected.copy(),
                                      self.health.expected_forwards, self.sweeps_staged))
         self.sweeps_staged = 0
@@ -128,28 +137,14 @@ class Reporter:
         tag = int(self._alarm[0])  # the tag first: the kernel writes it after the count
         return tag > self._staged_at and bool(self._alarm[1])
 
-    def _copy_out(self, k: int) -> Any:
-        """CUDA: the snapshot to pinned host memory on the side stream, and its event; CPU: True (already there)."""
-        st = self.state
-        if st.device.type != "cuda":
-            return True
-        if st.stream is None:
-            raise KVCanaryInternalError("stream is unset: an invariant of the bracket was broken")
-        st.stream.wait_stream(torch.cuda.current_stream(st.device))
-        with torch.cuda.stream(st.stream):
-            self._host[k].copy_(self._dev[k], non_blocking=True)
-            e = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            e.record(st.stream)
-        return e
-
     def collect(self, block: bool) -> WindowReport | None:
         """Reports of every staged window whose snapshot arrived (all of them when ``block``); the last or None."""
         last = None
         while self.pending:
             p = self.pending[0]
             ev = self._events[p.index]
-            if isinstance(ev, torch.cuda.Event):
-                if not block and not ev.query():  # type: ignore[no-untyped-call]
+            if ev is not True:  # CUDA: the copy's event
+                if not block and not ev.query():
                     break
                 ev.synchronize()
             self.pending.popleft()
@@ -163,8 +158,8 @@ class Reporter:
         delta = snap.counters - self._last_counters
         self._last_counters = snap.counters.copy()
         viol = delta[:, CounterCol.VIOLATIONS]
-        by_tag = {LaunchTag(t): int(viol[t]) for t in np.flatnonzero(viol).tolist()}
-        total = int(viol.sum())
+        total = int(viol.sum())  # counts only grow: a clean window has no tag to name
+        by_tag = {LaunchTag(t): int(viol[t]) for t in np.flatnonzero(viol).tolist()} if total else {}
         self.violations_total += total
         kept_n = min(snap.ring_total, cfg.ring_capacity)
         rows = decode_rows(torch.from_numpy(snap.rows[:kept_n].copy()), self.step_batches, self.sweep_slices) \

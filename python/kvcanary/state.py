@@ -129,7 +129,6 @@ class CanaryState:
         # rolling sweep scratch: table slot -> flat export index / chain (last entry: where bad slots land)
         self.sweep_inv = _i64(pool.num_slots + 1, device=d)
         self.sweep_chain = _i64(pool.num_slots + 1, device=d)
-        self.stream = torch.cuda.Stream(device=d) if d.type == "cuda" else None  # type: ignore[no-untyped-call]
 
     def _group(self, spec: GroupSpec) -> GroupState:
         d, cfg = self.device, self.config
