@@ -46,20 +46,26 @@ class _Pending:
 
 @dataclass
 class Snapshot:
-    """One staged window as host views (layout: CanaryState.arena without the step)."""
+    """One staged window as host views (layout: CanaryState.arena without the step); built once per snapshot buffer,
+    its views read whatever window the buffer holds."""
 
     phase: np.ndarray  # [2]
     counters: np.ndarray  # [NUM_LAUNCH_TAGS, NUM_COUNTER_COLS]
-    ring_total: int
+    ring: np.ndarray  # [1]: the ring count
     plan_status: np.ndarray  # [groups, NUM_PLAN_STATUS_COLS]
     rows: np.ndarray  # [ring capacity, NUM_VIOLATION_COLS]
+
+    @property
+    def ring_total(self) -> int:
+        """Rows the kernels tried to keep in the window."""
+        return int(self.ring[0])
 
     @classmethod
     def of(cls, snap: np.ndarray, groups: int) -> Snapshot:
         """Views into a host snapshot (no copies)."""
         o = 2 + _SNAP_COUNTERS
         w = o + 1 + groups * NUM_PLAN_STATUS_COLS
-        return cls(snap[0:2], snap[2:o].reshape(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS), int(snap[o]),
+        return cls(snap[0:2], snap[2:o].reshape(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS), snap[o:o + 1],
                    snap[o + 1:w].reshape(groups, NUM_PLAN_STATUS_COLS), snap[w:].reshape(-1, NUM_VIOLATION_COLS))
 
 
@@ -85,7 +91,7 @@ class Reporter:
         # two snapshot buffers in host memory (CUDA: pinned, copied into on the forward's stream); per buffer the event
         # after its copy (reused; CPU: True, the copy is done), None once its window is collected
         self._host = [torch.zeros(state.snapshot.numel(), dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self._host_np = [h.numpy() for h in self._host]
+        self._snaps = [Snapshot.of(h.numpy(), len(state.groups)) for h in self._host]
         self._events: list[Any] = [None, None]
         self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else []  # type: ignore[no-untyped-call]
         self._stream = CurrentStream(d.index or 0) if cuda else None
@@ -154,18 +160,19 @@ class Reporter:
 
     def _report(self, p: _Pending) -> WindowReport:
         cfg = self.config
-        snap = Snapshot.of(self._host_np[p.index], len(self.state.groups))
+        snap = self._snaps[p.index]
         delta = snap.counters - self._last_counters
         self._last_counters = snap.counters.copy()
         viol = delta[:, CounterCol.VIOLATIONS]
         total = int(viol.sum())  # counts only grow: a clean window has no tag to name
         by_tag = {LaunchTag(t): int(viol[t]) for t in np.flatnonzero(viol).tolist()} if total else {}
         self.violations_total += total
-        kept_n = min(snap.ring_total, cfg.ring_capacity)
+        ring_total = snap.ring_total
+        kept_n = min(ring_total, cfg.ring_capacity)
         rows = decode_rows(torch.from_numpy(snap.rows[:kept_n].copy()), self.step_batches, self.sweep_slices) \
             if kept_n else []
-        report = WindowReport(p.first_step, p.last_step, rows, total, snap.ring_total,
-                              max(0, snap.ring_total - cfg.ring_capacity), by_tag, torch.from_numpy(delta),
+        report = WindowReport(p.first_step, p.last_step, rows, total, ring_total,
+                              max(0, ring_total - cfg.ring_capacity), by_tag, torch.from_numpy(delta),
                               self._quarantine(rows) if rows else (), self.page_size)
         self._forget(p.first_step, p.last_step)
         problems = self.health.check(snap.counters, snap.phase, snap.plan_status, report.dropped, cfg.ring_capacity,
@@ -209,9 +216,7 @@ class Reporter:
 
     def _dispatch(self, report: WindowReport, problems: list[HealthProblem]) -> None:
         raising = self.config.mode == CanaryMode.RAISE
-        for sink in self.sinks:
-            if report.total == 0 and sink is not self.metrics:
-                continue
+        for sink in self.sinks if report.total else (s for s in self.sinks if s is self.metrics):  # clean: metrics only
             try:
                 sink(report)
             except Exception:  # a broken sink must not take the engine down in LOG mode

@@ -90,9 +90,9 @@ class Upload:
         native call (``begin_decode``, docs/ops-contract.md 8c). False, with nothing changed, for any other batch
         (:meth:`begin` takes it); bad input raises CanaryInputError (``BatchView.validate``'s message where it has
         one) before anything changes. The caller has checked the batch's fit (capacities, slot table)."""
-        new = batch.true_new_tokens
+        new, offset = batch.true_new_tokens, batch.token_offset
         if not self._decodes or new is None or batch.expected_chains is not None or \
-                self._offset(batch) != self.chains.offset:
+                (self.pool.token_offset if offset is None else offset) != self.chains.offset:
             return False
         ids = batch.request_ids
         try:
