@@ -264,6 +264,9 @@ def bench_replay(bs: int, prefix: int, backend: str, device: torch.device, iters
             "window_forwards": sum(window),
             "window_forwards_mean_us": _mean_us([t for t, w in zip(total, window, strict=True) if w]),
             "other_forwards_mean_us": _mean_us([t for t, w in zip(total, window, strict=True) if not w]),
+            # where the tail is: the slowest forwards without a window, as (iteration, begin us, end us)
+            "slowest_other_forwards": [(i, round(begin[i] * 1e6, 1), round(end[i] * 1e6, 1)) for i in sorted(
+                (i for i in range(iters) if not window[i]), key=lambda i: -total[i])[:12]],
             "graphs_gpu_us": round(gpu_us, 1),
             "violations": sum(r.total for r in m.reports), "health_problems": len(m.health.problems)}
 

@@ -152,7 +152,14 @@ class Upload:
         self._claim(rows, keys, claims, pre, capture, out[4])
         if self.stripes is not None:
             self._stripe_ends(keys, live, pre, capture, out[3])
+        if capture:  # nothing runs at a capture: its truth is staged, the rows' chains stay where they were
+            chains, h, n = self.chains, self.chains.h[rows], self.chains.n[rows]
         self._truth(batch, rows, live, pre, ext, out)
+        if capture:
+            if self.chains is chains:
+                self.chains.h[rows], self.chains.n[rows] = h, n
+            else:  # fresh chains for a new token offset: untouched
+                self.chains.reset(rows)
         self._stage(src, k, *pads)
         if not capture:
             self.requests.ran(rows, live, pre, step)

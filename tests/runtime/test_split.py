@@ -259,3 +259,21 @@ def test_the_steady_path_leaves_what_the_general_path_leaves(backend: str, view:
     assert taken == [False] + [True] * 5  # the prefill declines (no request holds a row yet), every decode is steady
     for _, m in engines:
         assert m.flush() is not None and sum(r.total for r in m.reports) == 0
+
+
+def test_a_capture_leaves_the_rows_chains_where_they_were() -> None:
+    """Nothing runs at a capture: Upload.begin(capture=True) stages the batch's truth but leaves the rows' chains, so
+    the real forward of the same batch that follows is still a steady decode, staging the same truth (before, it found
+    its rows one token ahead and caught up from the true histories, one Python step per request)."""
+    eng, m = setup(n_reqs=3)
+    for _ in range(3):
+        _forward(eng, m, fast=True)
+    b = _bulk(eng.batch())
+    chains = m.upload.chains
+    h, n = chains.h.copy(), chains.n.copy()
+    shape = m.program.bound_shape(b.batch_size, b.num_tokens)
+    m.upload.begin(b, m.forwards + 1, True, shape)
+    staged = m.state.truth_rows.clone()
+    assert np.array_equal(chains.h, h) and np.array_equal(chains.n, n)
+    assert m.upload.steady(b, m.forwards + 1, shape)
+    assert torch.equal(m.state.truth_rows, staged) and (chains.n != n).any()
