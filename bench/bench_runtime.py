@@ -271,19 +271,21 @@ def bench_replay(bs: int, prefix: int, backend: str, device: torch.device, iters
             "violations": sum(r.total for r in m.reports), "health_problems": len(m.health.problems)}
 
 
-def engine_case(device: str, backend: str, steps: int) -> dict[str, Any]:
+def engine_case(device: str, backend: str, steps: int, roll_interval: int = 0) -> dict[str, Any]:
     """The reference engine's clean run (the demo's): canary host ms per forward, worst phase. It governs the verdict
     as the demo measures it: the first run in the process, so on CUDA it includes the lazy loading of every kernel
     the canary launches for the first time. ``warm_canary_ms_per_forward``: the same run repeated in the process,
-    every kernel loaded (what a server pays per forward once it has run a while, or after a warm-up)."""
+    every kernel loaded (what a server pays per forward once it has run a while, or after a warm-up).
+    ``roll_interval`` > 0: the policy's ``sweep_roll_interval`` replaced (1: a rolling-sweep slice every forward)."""
     from kvcanary.demo import clean_run
+    changes = {"sweep_roll_interval": roll_interval} if roll_interval else {}
 
     def worst(res: dict[str, Any]) -> dict[str, Any]:
         return max(res["phases"], key=lambda p: p["canary_ms_per_forward"])
 
-    cold_run = clean_run(0, device, backend, steps, quiet=True)
-    cold, warm = worst(cold_run), worst(clean_run(0, device, backend, steps, quiet=True))
-    return {"mode": "engine", "device": device, "backend": backend, "steps": steps,
+    cold_run = clean_run(0, device, backend, steps, quiet=True, **changes)
+    cold, warm = worst(cold_run), worst(clean_run(0, device, backend, steps, quiet=True, **changes))
+    return {"mode": "engine", "device": device, "backend": backend, "steps": steps, "roll_interval": roll_interval,
             "canary_ms_per_forward": cold["canary_ms_per_forward"], "phase": cold["phase"],
             "export_ms_per_forward": cold.get("export_ms_per_forward"),
             "warm_canary_ms_per_forward": warm["canary_ms_per_forward"], "warm_phase": warm["phase"],
@@ -323,6 +325,8 @@ def main() -> None:
     ap.add_argument("--engine-steps", type=int, default=200, help="reference engine forwards (0: skip that row)")
     ap.add_argument("--req-capacity", type=int, default=0, help="requests the canary is installed for (0: the batch "
                     "size; an engine installs for its largest batch)")
+    ap.add_argument("--roll-interval", type=int, default=0, help="the reference engine row's sweep_roll_interval "
+                    "(0: the policy's; 1: a rolling-sweep slice every forward)")
     ap.add_argument("--out", default="")
     ap.add_argument("--profile", default="", help="write a cProfile summary of begin_forward and end_forward over "
                     "every timed forward, eager and replayed, to this file (the timings then include the profiler's "
@@ -342,7 +346,7 @@ def main() -> None:
                     rows.append(bench_replay(bs, a.prefix, backend, device, a.iters, config, a.req_capacity))
                     print(json.dumps(rows[-1]))
     if a.engine_steps:
-        rows.append(engine_case(a.device, a.backends.split(",")[-1], a.engine_steps))
+        rows.append(engine_case(a.device, a.backends.split(",")[-1], a.engine_steps, a.roll_interval))
         print(json.dumps(rows[-1]))
     lines = verdicts(rows)
     print("\n".join(["", "host targets (#13, mean per forward; measured on an H100 they govern, elsewhere proxies):",
@@ -350,7 +354,7 @@ def main() -> None:
     out = {"machine": platform.node(), "torch": torch.__version__, "cpu_count": torch.get_num_threads(),
            "command": f"python -m bench.bench_runtime --device {a.device} --backends {a.backends} --bs {a.bs} "
                       f"--prefix {a.prefix} --iters {a.iters} --config {a.config} --engine-steps {a.engine_steps} "
-                      f"--req-capacity {a.req_capacity}",
+                      f"--req-capacity {a.req_capacity} --roll-interval {a.roll_interval}",
            "note": "host time of one decode bracket (begin/pre/post/end; replay: begin+end around graph replays), "
                    "median; K half, FULL group, token truth chain (bulk form: true_new_tokens), policy full; on CPU "
                    "the device parts include the op work itself; Python's cyclic GC off during the timed iterations "

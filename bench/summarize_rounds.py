@@ -12,6 +12,9 @@ FIELDS = {"eager": ("total_mean_us", "total_us", "begin_us", "pre_us", "post_us"
           "replay": ("total_mean_us", "total_us", "begin_us", "end_us", "window_forwards_mean_us",
                      "other_forwards_mean_us")}
 
+ENGINE_FIELDS = ("canary_ms_per_forward", "warm_canary_ms_per_forward", "export_ms_per_forward",
+                 "warm_export_ms_per_forward")
+
 
 def summarize(folder: Path) -> str:
     """A markdown table: one line per (mode, bs, field), A and B as 'median (best) over n rounds'."""
@@ -31,12 +34,16 @@ def summarize(folder: Path) -> str:
             cells.append(f"{statistics.median(v):.1f} ({min(v):.1f})" if v else "-")
         n = len(got.get((mode, bs, field, "B"), []))
         lines.append(f"| {mode} | {bs} | {field} | {cells[0]} | {cells[1]} | {n} |")
+    engine: dict[str, list[dict[str, float]]] = {}
     for f in sorted(folder.glob("engine_*.json")):
-        for r in json.loads(f.read_text())["rows"]:
-            if r["mode"] == "engine":
-                lines.append(f"\nengine {f.stem.split('_')[1]}: canary ms/fw cold {r['canary_ms_per_forward']}, warm "
-                             f"{r['warm_canary_ms_per_forward']} (export {r['export_ms_per_forward']} / "
-                             f"{r['warm_export_ms_per_forward']})")
+        engine.setdefault(f.stem.split("_")[1], []).extend(
+            r for r in json.loads(f.read_text())["rows"] if r["mode"] == "engine")
+    for side, rows in engine.items():
+        cells = []
+        for field in ENGINE_FIELDS:
+            v = [r[field] for r in rows if r.get(field) is not None]
+            cells.append(f"{field} {statistics.median(v):.3f} ({min(v):.3f})" if v else f"{field} -")
+        lines.append(f"\nengine {side}, median (best) of {len(rows)}: " + ", ".join(cells))
     return "\n".join(lines)
 
 

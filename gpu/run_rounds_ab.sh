@@ -2,10 +2,11 @@
 # Host A/B in many short alternating rounds (a shared GPU host drifts by 2x between runs a minute apart, so one long run
 # per side says little): A = an earlier commit's python/ on its wheel's native library (.ab/srcA, .ab/wheelA, as in
 # gpu/run_begin_ab.sh), B = this tree's python/ on .whl's library; ROUNDS x (A, B) of bench_runtime at bs 1/64/256 (no
-# engine row), then each side's reference-engine row once, B's cProfile at bs 1 and B's CUDA demo. Summary: per row
+# engine row), then each side's reference-engine row ENGINE_ROUNDS times (A, B alternating), B's cProfile at bs 1 and
+# B's CUDA demo. Summary: per row
 # and side, the median and the best of the rounds (bench/summarize_rounds.py). Files in $OUT: rounds_log.txt
 # rounds.tar.gz (every JSON) summary.md profile_B.txt demo_cuda.json. Carry .whl and .ab.
-# Usage (repo root): [ROUNDS=6] [ITERS=500] bash gpu/run_rounds_ab.sh
+# Usage (repo root): [ROUNDS=6] [ITERS=500] [ENGINE_ROUNDS=1] bash gpu/run_rounds_ab.sh
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/rounds
@@ -26,11 +27,13 @@ side() {  # side A|B
         --config default --engine-steps 0 --out "/tmp/rounds/runtime_${s}_$run.json" | grep -E "replay|eager"
     done
   done
-  for s in A B; do
-    echo "=== engine $s $(date -u +%T)"
-    side $s
-    timeout 150 python3 -m bench.bench_runtime --device cuda --backends cuda --bs 1 --iters 10 --config default \
-      --engine-steps 100 --out "/tmp/rounds/engine_$s.json" | grep -E "engine"
+  for run in $(seq "${ENGINE_ROUNDS:-1}"); do
+    for s in A B; do
+      echo "=== engine $s $run $(date -u +%T)"
+      side $s
+      timeout 150 python3 -m bench.bench_runtime --device cuda --backends cuda --bs 1 --iters 10 --config default \
+        --engine-steps 100 --out "/tmp/rounds/engine_${s}_$run.json" | grep -E "engine"
+    done
   done
   side B
   echo "=== profile B $(date -u +%T)"

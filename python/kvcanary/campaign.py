@@ -255,10 +255,12 @@ POLICIES: dict[str, Callable[..., CanaryConfig]] = {"campaign": canary_config, "
 
 def sweep_bound(config: CanaryConfig, num_slots: int) -> int:
     """Forwards of a pool within which a sweep verifies an idle cached slot: the full sweep's interval, or the
-    rolling sweep's ``ceil(num_slots / sweep_slice)`` (the smaller where both run)."""
+    rolling sweep's ``interval x ceil(num_slots / (interval x sweep_slice))`` (its slices come every
+    ``sweep_roll_interval`` forwards; the smaller bound where both run)."""
     bounds = [config.sweep_interval] if config.sweep_interval else []
     if config.sweep_slice:
-        bounds.append(-(-num_slots // config.sweep_slice))
+        every = config.sweep_roll_interval
+        bounds.append(every * -(-num_slots // (every * config.sweep_slice)))
     return min(bounds, default=-1)
 
 

@@ -15,6 +15,7 @@ from kvcanary_schema import (
     DEFAULT_RING_CAPACITY,
     DEFAULT_STATS_INTERVAL,
     DEFAULT_SWEEP_CAPACITY,
+    DEFAULT_SWEEP_ROLL_INTERVAL,
     DEFAULT_SWEEP_SLICE,
     FingerprintMode,
     TokenTruth,
@@ -154,6 +155,10 @@ class CanaryConfig:
     reuse_check: bool = True  # a request's first forward verifies its whole reused prefix against the seal
     sweep_interval: int = 0  # forwards between full sweeps of the prefix cache; 0 = off (the rolling sweep is default)
     sweep_slice: int = DEFAULT_SWEEP_SLICE  # rolling sweep: cached slots verified per forward; 0 = off
+    # rolling sweep: one slice every sweep_roll_interval forwards, of sweep_roll_interval x sweep_slice slot ids: the
+    # export (the engine's, per slice) and the slice's launches are paid once per interval, the GPU work per slot is
+    # the same, and one forward in each interval carries it all
+    sweep_roll_interval: int = DEFAULT_SWEEP_ROLL_INTERVAL
     sweep_capacity: int = DEFAULT_SWEEP_CAPACITY
     sweep_unlocked_only: bool = False  # sweep only chains no running request holds (the rest are verified per forward)
     token_truth: TokenTruth = TokenTruth.CHAIN
@@ -186,8 +191,8 @@ class CanaryConfig:
         if not isinstance(self.token_truth, TokenTruth):
             _coerce_named(self, "token_truth", TokenTruth)
         for knob, low in (("layer_stride", 1), ("stripe_size", 1), ("window_links", 1), ("sweep_interval", 0),
-                          ("sweep_slice", 0), ("sweep_capacity", 1), ("ring_capacity", 1), ("report_interval", 1),
-                          ("stats_interval", 0), ("log_rate_limit", 0), ("req_capacity", 1),
+                          ("sweep_slice", 0), ("sweep_roll_interval", 1), ("sweep_capacity", 1), ("ring_capacity", 1),
+                          ("report_interval", 1), ("stats_interval", 0), ("log_rate_limit", 0), ("req_capacity", 1),
                           ("token_capacity", 1)):
             value = getattr(self, knob)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -195,9 +200,9 @@ class CanaryConfig:
         if not is_power_of_two(self.fingerprint_share):
             raise CanaryInputError(f"CanaryConfig.fingerprint_share must be a power of two >= 1, got "
                                    f"{self.fingerprint_share!r}")
-        if self.sweep_slice > self.sweep_capacity:
-            raise CanaryInputError(f"CanaryConfig.sweep_slice ({self.sweep_slice}) must be <= sweep_capacity "
-                                   f"({self.sweep_capacity})")
+        if self.sweep_slice * self.sweep_roll_interval > self.sweep_capacity:
+            raise CanaryInputError(f"CanaryConfig.sweep_slice x sweep_roll_interval ({self.sweep_slice} x "
+                                   f"{self.sweep_roll_interval}) must be <= sweep_capacity ({self.sweep_capacity})")
         if self.backend not in ("auto", "torch", "cpu", "cuda"):
             raise CanaryInputError(f"CanaryConfig.backend must be auto/torch/cpu/cuda, got {self.backend!r}")
         if self.mode == CanaryMode.NONE and self.perturb.enabled:
@@ -262,7 +267,7 @@ class CanaryConfig:
 
 
 _INT_KNOBS = {"layer_stride", "fingerprint_share", "stripe_size", "window_links", "sweep_interval", "sweep_slice",
-              "sweep_capacity", "ring_capacity",
+              "sweep_roll_interval", "sweep_capacity", "ring_capacity",
               "report_interval", "stats_interval", "log_rate_limit", "req_capacity", "token_capacity"}
 _BOOL_KNOBS = {"input_asserts", "chain_position_assert", "structural_check", "watchdog", "sweep_unlocked_only", "seal",
                "reuse_check"}

@@ -62,8 +62,10 @@ def _tags_active(canary: EngineCanary) -> list[str]:
     return [t.name for t in LaunchTag if t.name in runs]
 
 
-def clean_run(seed: int, device: str, backend: str, steps: int, quiet: bool, policy: str = "default") -> dict[str, Any]:
-    """The mixed workload with and without kvcanary (same seed, same forwards): violations, overhead, coverage."""
+def clean_run(seed: int, device: str, backend: str, steps: int, quiet: bool, policy: str = "default",
+              **changes: Any) -> dict[str, Any]:
+    """The mixed workload with and without kvcanary (same seed, same forwards): violations, overhead, coverage.
+    ``changes``: CanaryConfig knobs over the policy's."""
     phases, tags = [], set()
     total = sum(n for *_, n in _CLEAN)
     bar = None if quiet else Progress(total, "clean run")
@@ -74,8 +76,8 @@ def clean_run(seed: int, device: str, backend: str, steps: int, quiet: bool, pol
         result: dict[str, Any] = {}
         for with_canary in (False, True):
             engine = C.build_engine((), spec, device, None, **geometry)
-            canary = EngineCanary(engine, C.POLICIES[policy](backend), on_forward=_ticker(bar, finished, label)) \
-                if with_canary else None
+            canary = EngineCanary(engine, C.POLICIES[policy](backend, **changes),
+                                  on_forward=_ticker(bar, finished, label)) if with_canary else None
             t0 = time.perf_counter()
             C.mixed_workload(engine, _rng(seed), n_requests, max_forwards=budget or None)
             if canary is not None:
@@ -174,7 +176,8 @@ def _cell(v: Any) -> str:
 
 _POLICY_TEXT = {
     "default": ("the CanaryConfig() defaults (partial fingerprint of the first layer's K per verify, the HEAD seal "
-                f"over every byte, reuse check, rolling sweep of {C.default_config().sweep_slice} slots per forward)"),
+                f"over every byte, reuse check, rolling sweep of {C.default_config().sweep_slice} slots per forward "
+                f"in a slice every {C.default_config().sweep_roll_interval} forwards)"),
     "campaign": (f"fingerprint ALL over every layer, a full sweep every {C.canary_config().sweep_interval} forwards"),
 }
 

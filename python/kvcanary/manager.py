@@ -251,7 +251,7 @@ class CanaryManager:
             self.perturber.after_forward(self._batch, f)
         if self._sweep_due(f):
             self.sweep()
-        elif self._rolling:
+        elif self._rolling and f % self.config.sweep_roll_interval == 0:
             self._roll()
         if f % PRUNE_HORIZON == 0:
             self._prune(f)
@@ -349,7 +349,7 @@ class CanaryManager:
         return self._table
 
     def _roll(self) -> None:
-        """The rolling sweep's slice of this forward (eager, after the forward)."""
+        """The rolling sweep's slice (every ``sweep_roll_interval`` forwards; eager, after the forward)."""
         export = self._export()
         sl = self.sweeper.roll(export) if export is not None else None
         if sl is not None:

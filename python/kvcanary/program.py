@@ -158,10 +158,12 @@ class DeviceProgram:
 
         none = st.zeros[:0]
 
-        def tick(counters: torch.Tensor, alarm: bool = False) -> Op:  # pre: first (the step the kernels stamp their
-            # rows with); post: last, and on CUDA it mirrors the ring count for the host's alarm (Reporter.alarmed)
-            mirror = (st.sink.count, st.alarm) if alarm and st.device.type == "cuda" else (None, None)
-            return bind_bookkeep(counters, none, none, self.backend, *mirror).frozen()
+        def tick(counters: torch.Tensor, post: bool = False) -> Op:  # pre: first (the step the kernels stamp their
+            # rows with); post: last, folding every group's plan status into the window's running maximum, and on
+            # CUDA mirroring the ring count for the host's alarm (Reporter.alarmed)
+            mirror = (st.sink.count, st.alarm) if post and st.device.type == "cuda" else (None, None)
+            fold = (st.window_status.view(-1), st.plan_status.view(-1)) if post else (none, none)
+            return bind_bookkeep(counters, *fold, self.backend, *mirror).frozen()
 
         def pre(reuse: bool) -> tuple[Op, ...]:
             ops: list[Op] = [tick(st.pre_tick)]
@@ -172,7 +174,7 @@ class DeviceProgram:
         def post(reuse: bool, side: torch.cuda.Stream | None = None) -> tuple[Op, ...]:
             def role(*names: str, then: tuple[Op, ...] = ()) -> tuple[Op, ...]:
                 return _fused([*(op for g in per_group for name in names for op in g[name]), *then], self.backend)
-            reuse_verify, last = ("reuse_verify",) if reuse else (), (tick(st.post_tick, alarm=True),)
+            reuse_verify, last = ("reuse_verify",) if reuse else (), (tick(st.post_tick, post=True),)
             if side is None:  # eager: one stream
                 return role("seal", *reuse_verify, "tail_verify", "tail_write", then=last)
             # captured: the seal beside the TAIL write and the reuse check, after the TAIL verify, whose persistent
@@ -235,8 +237,7 @@ class DeviceProgram:
             stripe = plan(g.stripe_plan[:rows], g.stripe_status, st.stripe_end[:bs], zeros, cfg.stripe_size)
             ops["plan"].append(stripe)
             ops["plan_reuse"].append(stripe)
-        ops["head"] = [*verifies(Stage.HEAD), *([write(Stage.HEAD)] if g.seal is None else []),
-                       bind_bookkeep(st.zeros[:0], st.window_status[gi], g.status, b).frozen()]
+        ops["head"] = [*verifies(Stage.HEAD), *([write(Stage.HEAD)] if g.seal is None else [])]
         return ops
 
     def launches(self, reuse: bool) -> torch.Tensor:

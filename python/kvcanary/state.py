@@ -76,7 +76,11 @@ class CanaryState:
         self.backend = backend
         d = self.device
         rc, tc = config.req_capacity, config.token_capacity
-        self.groups: list[GroupState] = [self._group(spec) for spec in pool.groups]
+        # every group's forward-plan status, one row each: the post stage folds them all into the window's running
+        # maximum with one bookkeep
+        self.plan_status = _i64(len(pool.groups), NUM_PLAN_STATUS_COLS, device=d)
+        self.groups: list[GroupState] = [self._group(spec, st) for spec, st in zip(pool.groups, self.plan_status,
+                                                                                   strict=True)]
         # One arena so that staging a window is one copy and resetting it one fill:
         # [step | phase (pre, post) | counters | ring count | window status | ring rows]. Step and the pre-forward
         # phase are advanced by one add; everything after step is staged; ring count + window status are reset.
@@ -130,7 +134,7 @@ class CanaryState:
         self.sweep_inv = _i64(pool.num_slots + 1, device=d)
         self.sweep_chain = _i64(pool.num_slots + 1, device=d)
 
-    def _group(self, spec: GroupSpec) -> GroupState:
+    def _group(self, spec: GroupSpec, status: torch.Tensor) -> GroupState:
         d, cfg = self.device, self.config
         swa_map = spec.swa_map if spec.group == Group.SWA else None
         spare = tuple(_i64(spec.num_slots + 1, spec.halves, RECORD_NUM_FIELDS, device=d) for _ in range(2))
@@ -158,7 +162,7 @@ class CanaryState:
             return _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), _i64(NUM_PLAN_STATUS_COLS, device=d)
 
         return GroupState(
-            spec, head, tail, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), _i64(NUM_PLAN_STATUS_COLS, device=d),
+            spec, head, tail, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), status,
             *plan_buffers(stripe), fp, seal, *plan_buffers(reuse),
             write_workspaces=(write_workspace(cfg.token_capacity, d), write_workspace(cfg.token_capacity, d))
             if self.backend == "cuda" else (None, None), spare=(spare[0], spare[1]))
@@ -183,9 +187,10 @@ class CanaryState:
         return total
 
     def _tensors(self) -> list[torch.Tensor]:
-        ts = [self.arena, self.truth_rows, self.batch_rows, self.batch_tokens, self.sweep_plan, self.sweep_status]
+        ts = [self.arena, self.truth_rows, self.batch_rows, self.batch_tokens, self.sweep_plan, self.sweep_status,
+              self.plan_status]
         for g in self.groups:
-            ts += [g.head.records, g.tail.records, g.plan, g.status, *(w for w in g.write_workspaces if w is not None)]
+            ts += [g.head.records, g.tail.records, g.plan, *(w for w in g.write_workspaces if w is not None)]
         if self.token_pool is not None:
             ts += [self.token_pool.tokens, self.token_pool.lens]
         return ts

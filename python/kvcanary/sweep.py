@@ -55,9 +55,9 @@ class SweepSlice:
 
 class Sweeper:
     """Runs sweeps on the state's TAIL (fingerprint) and HEAD (seal) records; counts launches, and completions only
-    once results are back. The rolling sweep walks the table-space slot ids ``slice`` at a time, so every slot that
-    is cached when the walk passes it is verified once per ``ceil(num_slots / slice)`` forwards, however the cache
-    changes in between."""
+    once results are back. The rolling sweep walks the table-space slot ids a slice at a time (``width`` ids, at most
+    the pool's), so every slot that is cached when the walk passes it is verified once per ``ceil(num_slots /
+    width)`` slices, however the cache changes in between."""
 
     def __init__(self, state: CanaryState, backend: str, unlocked_only: bool = False) -> None:
         self.state = state
@@ -68,8 +68,9 @@ class Sweeper:
         self.chains_last = 0
         self.cursor = 0  # rolling sweep: first table slot id of the next slice
         self.slices = 0  # rolling-sweep slices launched
-        # rolling sweep: the export chain of each slice entry
-        self.chain_out = torch.zeros(state.config.sweep_slice, dtype=torch.int64, device=state.device)
+        # rolling sweep: the export chain of each slice entry (a slice past the pool would verify slots twice)
+        width = min(state.config.sweep_slice * state.config.sweep_roll_interval, state.pool.num_slots)
+        self.chain_out = torch.zeros(width, dtype=torch.int64, device=state.device)
         # the last export rolled over and what the slice plan derives from it (running ends, unlocked flags)
         self._derived: tuple[PrefixCacheExport, torch.Tensor, torch.Tensor | None] | None = None
         self._verifies = self._bind_verifies()

@@ -22,8 +22,9 @@ def test_default_policy_catches_every_class(case: C.FaultCase, backend: str) -> 
     assert not trial.false_positive, trial
     assert trial.detected and trial.stage_ok and trial.reason_ok and trial.request_ok, trial
     assert 0 <= trial.forwards_to_detect <= trial.bound, trial
-    if case.detect == "sweep":  # the rolling sweep's bound on the campaign engine: ceil(1024 / 512) forwards
-        assert trial.bound == -(-1024 // CanaryConfig().sweep_slice)
+    if case.detect == "sweep":  # the rolling sweep's bound on the campaign engine: one slice (4 x 512 slot ids)
+        # walks its 1024-slot pool, every 4 forwards
+        assert trial.bound == CanaryConfig().sweep_roll_interval == 4
 
 
 @pytest.mark.parametrize(("name", "change"), [
@@ -129,13 +130,13 @@ def test_whole_slot_overwrite_is_caught_in_the_forward_that_reads_it(position: i
 @pytest.mark.parametrize(("layer", "half"), [(0, "k"), (0, "v"), (2, "k"), (2, "v")])
 def test_single_bit_flip_in_any_layer_is_caught_within_the_rolling_bound(layer: int, half: str, backend: str) -> None:
     """One flipped mantissa bit anywhere in a running request's own slot (outside the 16 sampled bytes): the
-    rolling sweep (resident chains, checked against the seal) reports it within ceil(num_slots / slice) forwards."""
+    rolling sweep (resident chains, checked against the seal) reports it within its bound (C.sweep_bound)."""
     engine, canary, row = _decoding(backend)
     slot = int(engine.req_to_token.table[row, 9])
     t = (engine.models.target_pool.k if half == "k" else engine.models.target_pool.v)[layer]
     elem = t[slot].view(-1)[-1:].view(torch.uint8)  # the row's last element: never in the partial 16 bytes
     elem[0] ^= 1
-    before, bound = canary.forwards, -(-engine.config.num_slots // CanaryConfig().sweep_slice)
+    before, bound = canary.forwards, C.sweep_bound(CanaryConfig(), engine.config.num_slots)
     for _ in range(bound):
         engine.step()
     found = _found(canary, slot, Stage.SWEEP)
@@ -151,7 +152,7 @@ def test_v_damage_in_the_sampled_bytes_by_half_coverage(half_coverage: str, back
     engine, canary, row = _decoding(backend, half_coverage=half_coverage)
     slot = int(engine.req_to_token.table[row, 9])
     engine.models.target_pool.v[0][slot].view(-1)[:1].view(torch.uint8)[0] ^= 1  # byte 0: inside the sample
-    before, bound = canary.forwards, -(-engine.config.num_slots // CanaryConfig().sweep_slice)
+    before, bound = canary.forwards, C.sweep_bound(CanaryConfig(), engine.config.num_slots)
     for _ in range(bound):
         engine.step()
     if half_coverage == "each":

@@ -243,7 +243,9 @@ def test_corrupt_cached_prefix_block_before_hit(llama: Any, prompts: list[list[i
     v = hits[0]
     assert v.reasons & FailReason.VERIFY_FINGERPRINT and v.position == 3 and v.request_id == "r1"
     assert v.slot == corrupted["block"] * PAGE + 3
-    assert tags(err.violations) == {tag}  # HEAD (no fingerprint) saw nothing: the records are intact
+    # HEAD (no fingerprint) saw nothing: the records are intact (the rolling sweep's slice of that step may pass the
+    # block too)
+    assert tags(err.violations) <= {tag, LaunchTag.of(Stage.SWEEP, half, Group.FULL)}
 
 
 def test_sweep_catches_corruption_of_a_block_nobody_reads(llama: Any, prompts: list[list[int]]) -> None:
@@ -581,7 +583,7 @@ def test_decode_steps_reuse_the_export(llama: Any, prompts: list[list[int]], mon
         return run
     monkeypatch.setattr(kt.HFPoolAdapter, "prefix_cache_export", counted("export", export))
     monkeypatch.setattr(kt.HFPoolAdapter, "_build_export", counted("build", build))
-    with kt.install(llama, raise_config()) as handle:
+    with kt.install(llama, raise_config(sweep_roll_interval=1)) as handle:  # an export every step
         run_manager(llama, prompts[:2], max_new_tokens=24)
     assert handle.total_violations == 0
     assert counts["export"] >= 24 and counts["build"] <= counts["export"] // 2, counts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kvcanary.config import CanaryConfig
 from kvcanary.manager import install
@@ -111,12 +112,14 @@ def test_empty_export_sweep_is_a_launch() -> None:
     assert not m.health.problems
 
 
-def test_rolling_sweep_covers_every_cached_slot_once_per_pass() -> None:
-    """slice 8 of 96 slot ids: after 12 forwards every cached slot was verified exactly once (K and V, TAIL and the
-    HEAD seal), and the walk never verifies more than the slice in one forward."""
+@pytest.mark.parametrize("every", [1, 3, 4])
+def test_rolling_sweep_covers_every_cached_slot_once_per_pass(every: int) -> None:
+    """slice 8 of 96 slot ids, a slice of 8 x ``every`` ids every ``every`` forwards: after 12 forwards every cached
+    slot was verified exactly once (K and V, TAIL and the HEAD seal), only forwards ``every`` divides verify, and none
+    more than its slice."""
     from kvcanary_schema import CounterCol, LaunchTag
     eng = FakeEngine()
-    m = install(eng, CanaryConfig(stats_interval=0, sweep_slice=8))
+    m = install(eng, CanaryConfig(stats_interval=0, sweep_slice=8, sweep_roll_interval=every))
     for i in range(5):
         eng.add(f"c{i}", [20 + i, 30 + i, 40 + i, 50 + i])
     run(eng, m, 1)
@@ -127,16 +130,43 @@ def test_rolling_sweep_covers_every_cached_slot_once_per_pass() -> None:
     cached = int(export.lens.sum())
     c = m.state.sink.counters
     start = int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED])
-    per_forward = []
+    per_forward = {}
     for k in range(-(-eng.num_slots // 8)):
         before = int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED])
         eng.add(f"t{k}", [7])  # a one-token request keeps the bracket going without touching the cache
         run(eng, m, 1)
         eng.finish(f"t{k}", cache=False)
-        per_forward.append(int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]) - before)
-    assert sum(per_forward) == 2 * cached  # TAIL records + HEAD seal, each cached slot once
-    assert max(per_forward) <= 2 * 8 and int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]) > start
+        per_forward[m.forwards] = int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]) - before
+    assert sum(per_forward.values()) == 2 * cached  # TAIL records + HEAD seal, each cached slot once
+    assert all(n == 0 for f, n in per_forward.items() if f % every)
+    assert max(per_forward.values()) <= 2 * 8 * every
+    assert int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]) > start
+    assert m.sweeper.slices == 12 // every  # the loop's (forward 1 found nothing cached yet)
     assert not m.health.problems and all(r.total == 0 for r in m.reports)
+
+
+def test_rolling_slice_never_walks_past_the_pool() -> None:
+    """A slice wider than the pool (8 x 16 ids of 96) walks the pool once: each cached slot is verified once per
+    slice, not twice."""
+    from kvcanary_schema import CounterCol, LaunchTag
+    eng = FakeEngine()
+    m = install(eng, CanaryConfig(stats_interval=0, sweep_slice=8, sweep_roll_interval=16))
+    assert m.sweeper.chain_out.shape[0] == eng.num_slots
+    for i in range(5):
+        eng.add(f"c{i}", [20 + i, 30 + i, 40 + i, 50 + i])
+    run(eng, m, 1)
+    for i in range(5):
+        eng.finish(f"c{i}")
+    export = eng.prefix_cache_export()
+    assert export is not None
+    c = m.state.sink.counters
+    before = int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED])
+    for k in range(15):  # forward 16 rolls
+        eng.add(f"t{k}", [7])
+        run(eng, m, 1)
+        eng.finish(f"t{k}", cache=False)
+    assert m.sweeper.slices == 1
+    assert int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]) - before == 2 * int(export.lens.sum())
 
 
 def _rolled_counters(garbage: bool) -> torch.Tensor:

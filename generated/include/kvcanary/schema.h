@@ -194,6 +194,7 @@ constexpr int64_t DEFAULT_RING_CAPACITY = 1024LL;  // violation rows kept per re
 constexpr int64_t DEFAULT_REQ_CAPACITY = 1024LL;  // requests per forward the plan is sized for
 constexpr int64_t DEFAULT_SWEEP_CAPACITY = 65536LL;  // cached chains one sweep plan holds
 constexpr int64_t DEFAULT_SWEEP_SLICE = 512LL;  // rolling sweep: cached slots verified per forward (every cached slot within ceil(num_slots / slice) forwards)
+constexpr int64_t DEFAULT_SWEEP_ROLL_INTERVAL = 4LL;  // rolling sweep: forwards between slices; a slice walks interval x SWEEP_SLICE slot ids (one export and one launch group per slice, the same rate)
 constexpr int64_t DEFAULT_STATS_INTERVAL = 100LL;  // forwards between stats lines
 constexpr int64_t DEFAULT_FP_LAYER_STRIDE = 1LL;  // source j is hashed at position p iff (j + p) % stride == 0
 

@@ -276,5 +276,6 @@ DEFAULT_RING_CAPACITY: Final = 1024  # violation rows kept per reporting window
 DEFAULT_REQ_CAPACITY: Final = 1024  # requests per forward the plan is sized for
 DEFAULT_SWEEP_CAPACITY: Final = 65536  # cached chains one sweep plan holds
 DEFAULT_SWEEP_SLICE: Final = 512  # rolling sweep: cached slots verified per forward (every cached slot within ceil(num_slots / slice) forwards)
+DEFAULT_SWEEP_ROLL_INTERVAL: Final = 4  # rolling sweep: forwards between slices; a slice walks interval x SWEEP_SLICE slot ids (one export and one launch group per slice, the same rate)
 DEFAULT_STATS_INTERVAL: Final = 100  # forwards between stats lines
 DEFAULT_FP_LAYER_STRIDE: Final = 1  # source j is hashed at position p iff (j + p) % stride == 0
