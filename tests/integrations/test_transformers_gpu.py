@@ -138,7 +138,9 @@ def test_cached_block_corruption_detected_on_cuda(model: Any) -> None:
             run_manager(model, prompts, sequential=True, between=corrupt, max_new_tokens=3)
     vs = info.value.violations
     assert info.value.request_ids == ["r1"]
-    assert {v.tag for v in vs} == {LaunchTag.TAIL_V_FULL}
+    # r1's TAIL verify, and the rolling sweep's slice of that step where it passes the block
+    tags = {v.tag for v in vs}
+    assert LaunchTag.TAIL_V_FULL in tags and tags <= {LaunchTag.TAIL_V_FULL, LaunchTag.SWEEP_V_FULL}
     assert all(v.reasons == FailReason.VERIFY_FINGERPRINT for v in vs)
 
 
