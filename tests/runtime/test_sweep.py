@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from kvcanary.config import CanaryConfig
-from kvcanary.manager import install
+from kvcanary.manager import CanaryManager, install
 from kvcanary.sweep import Sweeper
-from kvcanary_schema import FailReason, RecordField, Stage
+from kvcanary_schema import CounterCol, FailReason, LaunchTag, RecordField, Stage
 
 from .fake_engine import FakeEngine
 from .helpers import run, setup, step, total, violations
@@ -112,35 +114,46 @@ def test_empty_export_sweep_is_a_launch() -> None:
     assert not m.health.problems
 
 
-@pytest.mark.parametrize("every", [1, 3, 4])
-def test_rolling_sweep_covers_every_cached_slot_once_per_pass(every: int) -> None:
-    """slice 8 of 96 slot ids, a slice of 8 x ``every`` ids every ``every`` forwards: after 12 forwards every cached
-    slot was verified exactly once (K and V, TAIL and the HEAD seal), only forwards ``every`` divides verify, and none
-    more than its slice."""
-    from kvcanary_schema import CounterCol, LaunchTag
+def _five_cached(**config: Any) -> tuple[FakeEngine, CanaryManager]:
+    """Five four-token chains cached after one forward (slice 8 of the fake engine's 96 slot ids)."""
     eng = FakeEngine()
-    m = install(eng, CanaryConfig(stats_interval=0, sweep_slice=8, sweep_roll_interval=every))
+    m = install(eng, CanaryConfig(stats_interval=0, sweep_slice=8, **config))
     for i in range(5):
         eng.add(f"c{i}", [20 + i, 30 + i, 40 + i, 50 + i])
     run(eng, m, 1)
     for i in range(5):
         eng.finish(f"c{i}")
+    return eng, m
+
+
+def _one_token_forward(eng: FakeEngine, m: CanaryManager, k: int) -> None:
+    """A forward of a one-token request: the bracket goes on without touching the cache."""
+    eng.add(f"t{k}", [7])
+    run(eng, m, 1)
+    eng.finish(f"t{k}", cache=False)
+
+
+def _cached_tokens(eng: FakeEngine) -> int:
     export = eng.prefix_cache_export()
     assert export is not None
-    cached = int(export.lens.sum())
-    c = m.state.sink.counters
-    start = int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED])
+    return int(export.lens.sum())
+
+
+@pytest.mark.parametrize("every", [1, 3, 4])
+def test_rolling_sweep_covers_every_cached_slot_once_per_pass(every: int) -> None:
+    """slice 8 of 96 slot ids, a slice of 8 x ``every`` ids every ``every`` forwards: after 12 forwards every cached
+    slot was verified exactly once (K and V, TAIL and the HEAD seal), only forwards ``every`` divides verify, and none
+    more than its slice."""
+    eng, m = _five_cached(sweep_roll_interval=every)
+    checked = m.state.sink.counters[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]
     per_forward = {}
     for k in range(-(-eng.num_slots // 8)):
-        before = int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED])
-        eng.add(f"t{k}", [7])  # a one-token request keeps the bracket going without touching the cache
-        run(eng, m, 1)
-        eng.finish(f"t{k}", cache=False)
-        per_forward[m.forwards] = int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]) - before
-    assert sum(per_forward.values()) == 2 * cached  # TAIL records + HEAD seal, each cached slot once
+        before = int(checked)
+        _one_token_forward(eng, m, k)
+        per_forward[m.forwards] = int(checked) - before
+    assert sum(per_forward.values()) == 2 * _cached_tokens(eng)  # TAIL records + HEAD seal, each cached slot once
     assert all(n == 0 for f, n in per_forward.items() if f % every)
     assert max(per_forward.values()) <= 2 * 8 * every
-    assert int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]) > start
     assert m.sweeper.slices == 12 // every  # the loop's (forward 1 found nothing cached yet)
     assert not m.health.problems and all(r.total == 0 for r in m.reports)
 
@@ -148,42 +161,23 @@ def test_rolling_sweep_covers_every_cached_slot_once_per_pass(every: int) -> Non
 def test_rolling_slice_never_walks_past_the_pool() -> None:
     """A slice wider than the pool (8 x 16 ids of 96) walks the pool once: each cached slot is verified once per
     slice, not twice."""
-    from kvcanary_schema import CounterCol, LaunchTag
-    eng = FakeEngine()
-    m = install(eng, CanaryConfig(stats_interval=0, sweep_slice=8, sweep_roll_interval=16))
+    eng, m = _five_cached(sweep_roll_interval=16)
     assert m.sweeper.chain_out.shape[0] == eng.num_slots
-    for i in range(5):
-        eng.add(f"c{i}", [20 + i, 30 + i, 40 + i, 50 + i])
-    run(eng, m, 1)
-    for i in range(5):
-        eng.finish(f"c{i}")
-    export = eng.prefix_cache_export()
-    assert export is not None
-    c = m.state.sink.counters
-    before = int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED])
+    checked = m.state.sink.counters[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]
+    before = int(checked)
     for k in range(15):  # forward 16 rolls
-        eng.add(f"t{k}", [7])
-        run(eng, m, 1)
-        eng.finish(f"t{k}", cache=False)
+        _one_token_forward(eng, m, k)
     assert m.sweeper.slices == 1
-    assert int(c[LaunchTag.SWEEP_K_FULL, CounterCol.ENTRIES_CHECKED]) - before == 2 * int(export.lens.sum())
+    assert int(checked) - before == 2 * _cached_tokens(eng)
 
 
 def _rolled_counters(garbage: bool) -> torch.Tensor:
     """Counters after a rolling pass over five cached chains; ``garbage``: the inverse map scrambled first."""
-    eng = FakeEngine()
-    m = install(eng, CanaryConfig(stats_interval=0, sweep_slice=8))
-    if garbage:
+    eng, m = _five_cached(sweep_roll_interval=4)
+    if garbage:  # before the first slice (forward 4)
         m.state.sweep_inv.fill_(12345)
-    for i in range(5):
-        eng.add(f"c{i}", [20 + i, 30 + i, 40 + i, 50 + i])
-    run(eng, m, 1)
-    for i in range(5):
-        eng.finish(f"c{i}")
     for k in range(-(-eng.num_slots // 8)):
-        eng.add(f"t{k}", [7])
-        run(eng, m, 1)
-        eng.finish(f"t{k}", cache=False)
+        _one_token_forward(eng, m, k)
     assert not m.health.problems and all(r.total == 0 for r in m.reports)
     return m.state.sink.counters.clone()
 
