@@ -32,6 +32,7 @@ PARTS: list[tuple[str, dict[str, Any], float]] = [
     ("partial + seal", {"reuse_check": False, "sweep_slice": 0}, 2.0),
     ("partial + rolling sweep", {"seal": False, "reuse_check": False}, 2.0),
     ("defaults without structural check", {"structural_check": False}, 2.0),
+    ("defaults, a rolling-sweep slice every step", {"sweep_roll_interval": 1}, 2.0),
 ]
 PAGE = 16
 
