@@ -319,13 +319,15 @@ class CanaryManager:
             if g.spec.group != Group.FULL or g.spare is None:
                 continue
             s, n = slots.to(device=self.state.device, dtype=torch.int64, non_blocking=True), g.spec.num_slots
-            # reserved and out-of-range slots go to the spare row past the slots (a filter would sync with the device)
-            idx = torch.where((s >= g.spec.reserved_slots) & (s < n), s, n)
-            for rows in g.spare:
-                rows.index_fill_(0, idx, 0)
-                # no planned position is negative, so any verify of the slot reports VERIFY_POSITION (index_fill_: an
-                # indexed assignment of a Python scalar copies it to the device and syncs)
-                rows.select(2, RecordField.POSITION).index_fill_(0, idx, NO_SLOT)
+            # reserved and out-of-range slots go to the spare row past the slots (a filter would sync with the device):
+            # below the reserved ones, clamped to reserved - 1, then moved up
+            r = g.spec.reserved_slots
+            idx = s.clamp(r - 1, n)
+            idx.masked_fill_(idx < r, n)
+            g.spare.index_fill_(1, idx, 0)  # both buffers (HEAD and TAIL) in one op
+            # no planned position is negative, so any verify of the slot reports VERIFY_POSITION (index_fill_: an
+            # indexed assignment of a Python scalar copies it to the device and syncs)
+            g.spare.select(3, RecordField.POSITION).index_fill_(1, idx, NO_SLOT)
 
     def add_sink(self, sink: ReportSink) -> None:
         """Also send every window to ``sink``."""

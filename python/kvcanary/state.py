@@ -49,9 +49,10 @@ class GroupState:
     # per write op (HEAD write or seal, TAIL write): its own look-back workspace (ops.write.write_workspace; cuda
     # backend only, none for the others)
     write_workspaces: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-    # the HEAD and TAIL record buffers with one spare row past the slots (``head.records`` / ``tail.records`` are their
-    # first num_slots rows): where invalidation sends the slots it must leave alone, so it needs no host sync to filter
-    spare: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the HEAD and TAIL record buffers in one tensor [2, num_slots + 1, H, F], with one spare row past the slots
+    # (``head.records`` / ``tail.records`` are the first num_slots rows of each): where invalidation sends the slots it
+    # must leave alone, so it needs no host sync to filter, and one op poisons a slot in both
+    spare: torch.Tensor | None = None
 
     @property
     def window(self) -> int:
@@ -137,7 +138,7 @@ class CanaryState:
     def _group(self, spec: GroupSpec, status: torch.Tensor) -> GroupState:
         d, cfg = self.device, self.config
         swa_map = spec.swa_map if spec.group == Group.SWA else None
-        spare = tuple(_i64(spec.num_slots + 1, spec.halves, RECORD_NUM_FIELDS, device=d) for _ in range(2))
+        spare = _i64(2, spec.num_slots + 1, spec.halves, RECORD_NUM_FIELDS, device=d)
         head, tail = (GroupView(rows[:spec.num_slots], spec.group, spec.reserved_slots, swa_map) for rows in spare)
         fp = None
         if cfg.fingerprint.value != 0:
@@ -165,7 +166,7 @@ class CanaryState:
             spec, head, tail, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), status,
             *plan_buffers(stripe), fp, seal, *plan_buffers(reuse),
             write_workspaces=(write_workspace(cfg.token_capacity, d), write_workspace(cfg.token_capacity, d))
-            if self.backend == "cuda" else (None, None), spare=(spare[0], spare[1]))
+            if self.backend == "cuda" else (None, None), spare=spare)
 
     def transfer_buffers(self) -> list[TransferBuffer]:
         """The canary records to send with the KV in a prefill->decode transfer, indexable by slot."""

@@ -166,11 +166,12 @@ def test_invalidate_makes_a_freed_slot_fail_its_next_read() -> None:
     r1 = eng.reqs["r1"]
     slot = int(eng.req_to_token[r1.row, 1])
     g = m.state.groups[0]
-    before = g.head.records.clone()
+    before = [g.head.records.clone(), g.tail.records.clone()]
     n = g.spec.num_slots
     m.invalidate(torch.tensor([0, slot, -3, n, n + 7]))  # slot 0 is reserved, the others outside the pool: left alone
-    changed = (g.head.records != before).any(dim=(1, 2)).nonzero().flatten().tolist()
-    assert changed == [slot] and int(g.head.records[slot, 0, RecordField.POSITION]) == NO_SLOT
+    for records, was in zip((g.head.records, g.tail.records), before, strict=True):  # both buffers
+        changed = (records != was).any(dim=(1, 2)).nonzero().flatten().tolist()
+        assert changed == [slot] and int(records[slot, 0, RecordField.POSITION]) == NO_SLOT
     rep = step(eng, m)
     assert rep is not None
     hits = [v for v in rep.violations if v.slot == slot]
