@@ -279,16 +279,21 @@ class RowChains:
                        new_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(h * B^e + sum_j g_j B^(e-1-j), known) over each request's e new tokens (h_n of the chain)."""
         seg = np.repeat(np.arange(ext.size), ext)
-        j = np.arange(seg.size) - np.repeat(np.cumsum(ext) - ext, ext)
+        start = np.cumsum(ext) - ext  # each request's first token in the flat arrays below
+        j = np.arange(seg.size) - start[seg]
         tok = new_tokens[begin[seg] + j]
         pos = pre[seg] + j
         self._check(tok, pos)
-        unknown = np.zeros(ext.size, bool)
-        np.logical_or.at(unknown, seg, tok < 0)
         pw = self._pw.upto(int(ext.max(initial=0)) + 1)
-        sums = np.zeros(ext.size, _U64)
-        np.add.at(sums, seg, chain_g_np(np.maximum(tok, 0), pos) * pw[ext[seg] - 1 - j])
-        return h * pw[ext] + sums, (ext > 0) & ~unknown
+        terms = chain_g_np(np.maximum(tok, 0), pos) * pw[ext[seg] - 1 - j]
+        # per request sums over its run of the flat arrays (reduceat: runs start at strictly increasing offsets, so
+        # requests without new tokens are left out; uint64 adds wrap as the chain's do)
+        some = ext > 0
+        sums, unknown = np.zeros(ext.size, _U64), np.zeros(ext.size, bool)
+        if seg.size:
+            sums[some] = np.add.reduceat(terms, start[some])
+            unknown[some] = np.logical_or.reduceat(tok < 0, start[some])
+        return h * pw[ext] + sums, some & ~unknown
 
     def _check(self, tok: np.ndarray, pos: np.ndarray) -> None:
         if tok.size and (int(tok.max()) >= TOKEN_LIMIT or int(pos.max()) >= TOKEN_LIMIT):
