@@ -27,7 +27,7 @@ def test_empty_and_unknown_keys_have_h0() -> None:
     assert "x" in ch and len(ch) == 1
 
 
-@pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 300])
+@pytest.mark.parametrize("n", [1, 5, 11, 12, 13, 64, 300])
 def test_extend_matches_python_ints(n: int) -> None:
     toks = [(i * 7919 + 13) % 150_000 for i in range(n)]
     ch = ChainHasher()
@@ -47,9 +47,11 @@ def test_incremental_equals_one_shot(toks: list[int], cuts: list[int]) -> None:
 
 
 @settings(max_examples=30, deadline=None)
-@given(h=st.integers(0, (1 << 64) - 1), toks=st.lists(st.integers(0, TOKEN_LIMIT - 1), min_size=64, max_size=300),
+@given(h=st.integers(0, (1 << 64) - 1), toks=st.lists(st.integers(0, TOKEN_LIMIT - 1), min_size=1, max_size=300),
        first=st.integers(0, 10_000))
-def test_torch_fold_equals_int_fold(h: int, toks: list[int], first: int) -> None:
+def test_vector_fold_equals_int_fold(h: int, toks: list[int], first: int) -> None:
+    """fold (a Python step per token below 12 tokens, a numpy dot product from there) against the steps, lists and
+    tensors."""
     want = h
     for i, t in enumerate(toks):
         want = H.chain_step_int(want, t, first + i)
@@ -92,13 +94,16 @@ def test_bad_input() -> None:
         ch.extend("b", [1, -1], 0)
     with pytest.raises(CanaryInputError):
         ch.extend("c", [TOKEN_LIMIT] * 100, 0)
+    for bad in ([5] * 20 + [-1], [5] * 20 + [1 << 70], [5] * 20 + ["x"]):  # the vector path's checks
+        with pytest.raises(CanaryInputError):
+            ch.extend("d", bad, 0)
     with pytest.raises(CanaryInputError):
         fold(0, [1], TOKEN_LIMIT)
     with pytest.raises(CanaryInputError, match="offset"):
         ChainHasher(offset=-1)
     with pytest.raises(CanaryInputError, match="same length"):
         ch.extend_batch(["x"], [[1], [2]], [0])
-    assert "b" not in ch and "c" not in ch
+    assert "b" not in ch and "c" not in ch and "d" not in ch
 
 
 def test_new_token_truth_is_flat_like_input_ids_with_the_offset() -> None:

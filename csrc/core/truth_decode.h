@@ -124,6 +124,57 @@ inline int64_t decode_rows(const DecodeArgs& a) {
   return unknown;
 }
 
+// truth_segments (docs/ops-contract.md 8d): the continuing rows of any forward, each folding its ext[i] new tokens.
+// `a.live` marks those rows; `out` is int64 [4, a.cap]: expect_prefix, expect_new, prefix_known, new_known (0/1).
+// kNotSteady (nothing written) when a marked row lies outside [0, R) or its tokens outside `tokens`; kBadValue
+// (nothing written) when a marked row's known token or its position is outside [0, TOKEN_LIMIT); else 0.
+inline int64_t segment_rows(const DecodeArgs& a) {
+  int64_t at = 0;
+  for (int64_t i = 0; i < a.bs; ++i) {  // pass 1: every check before any write
+    const int64_t begin = at, e = a.ext[i];
+    at += e;
+    if (!a.live[i]) continue;
+    if (a.rows[i] < 0 || a.rows[i] >= a.num_rows || (e > 0 && (begin < 0 || begin + e > a.num_tokens))) {
+      return kNotSteady;
+    }
+    for (int64_t j = 0; j < e; ++j) {
+      const int64_t tok = a.tokens[begin + j];
+      if (tok >= 0 && !(chain_value_ok(tok) && chain_value_ok(a.pre[i] + j))) return kBadValue;
+    }
+  }
+  int64_t* o = a.out;
+  at = 0;
+  for (int64_t i = 0; i < a.bs; ++i) {  // pass 2: outputs from the state before the call
+    const int64_t begin = at, e = a.ext[i];
+    at += e;
+    int64_t expect_prefix = 0, expect_new = 0, prefix_known = 0, new_known = 0;
+    if (a.live[i]) {
+      uint64_t h = a.h[a.rows[i]];
+      prefix_known = a.pre[i] > 0 ? 1 : 0;
+      expect_prefix = prefix_known ? static_cast<int64_t>(h) : 0;
+      bool known = e > 0;
+      for (int64_t j = 0; j < e && known; ++j) {
+        const int64_t tok = a.tokens[begin + j];
+        known = tok >= 0;
+        if (known) h = chain_step(h, tok, a.pre[i] + j);
+      }
+      new_known = known ? 1 : 0;
+      expect_new = known ? static_cast<int64_t>(h) : 0;
+    }
+    o[i] = expect_prefix;
+    o[a.cap + i] = expect_new;
+    o[2 * a.cap + i] = prefix_known;
+    o[3 * a.cap + i] = new_known;
+  }
+  for (int64_t i = 0; i < a.bs; ++i) {  // pass 3: rows past their known tokens (a row named twice: the last wins)
+    if (a.live[i] && o[3 * a.cap + i]) {
+      a.h[a.rows[i]] = static_cast<uint64_t>(o[a.cap + i]);
+      a.n[a.rows[i]] = a.pre[i] + a.ext[i] + a.offset;
+    }
+  }
+  return 0;
+}
+
 // begin_decode (8c): the batch facts' checks and the steady decode into the staging rows, then each live row's forward
 // `step` and prefix into seen/prefix (int64 [R]); the caller stages after a result >= 0. `ext` must not claim more new
 // tokens than the batch has (an input error, as BatchView.validate says).

@@ -1,8 +1,10 @@
-// CPU entry points of the hash functions (vectorized over tensors) and the schema version.
+// CPU entry points of the hash functions (vectorized over tensors), the bulk token truth of a forward's continuing
+// rows and the schema version.
 #include <tvm/ffi/function.h>
 
 #include "core/hash.cuh"
 #include "core/tensor_checks.h"
+#include "core/truth_decode.h"
 
 namespace kvcanary {
 
@@ -43,8 +45,21 @@ int64_t hash_chain_step(TensorView h, TensorView tokens, TensorView positions, T
   return errors;
 }
 
+// The token truth of a forward's continuing rows (docs/ops-contract.md 8d); out int64 [4, >= bs], host memory.
+int64_t truth_segments(TensorView rows, TensorView pre, TensorView ext, TensorView tokens, TensorView fast,
+                       TensorView h, TensorView n, int64_t offset, TensorView out) {
+  check_i64(out, "out");
+  check_ndim(out, 2, "out");
+  check_contiguous(out, "out");
+  check_device_type(out, kDLCPU, "out");
+  check_dim(out, 0, 4, "out");
+  return segment_rows(check_decode_args(rows, pre, ext, tokens, fast, h, n, offset,
+                                        static_cast<int64_t*>(out.data_ptr()), out.size(1)));
+}
+
 }  // namespace kvcanary
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(schema_version, kvcanary::schema_version);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(hash_splitmix64, kvcanary::hash_splitmix64);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(hash_chain_step, kvcanary::hash_chain_step);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(truth_segments, kvcanary::truth_segments);

@@ -11,12 +11,12 @@ from kvcanary_schema import CHAIN_BASE, CHAIN_SEED, SPLITMIX_MUL1, SPLITMIX_MUL2
 
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
-from kvcanary.ops.write import powers
+from kvcanary.ops.stage_batch import BAD_VALUE
 
 Tokens = Sequence[int] | torch.Tensor
 
-# Below this many new tokens Python ints beat a torch launch sequence.
-_TORCH_MIN_TOKENS = 64
+# From this many tokens on, a numpy fold beats a Python step per token.
+_VECTOR_MIN_TOKENS = 12
 
 
 def fold(h: int, tokens: Tokens, first_position: int) -> int:
@@ -27,20 +27,21 @@ def fold(h: int, tokens: Tokens, first_position: int) -> int:
         return h & H.U64
     if first_position < 0 or first_position + n > TOKEN_LIMIT:
         raise CanaryInputError(f"positions [{first_position}, {first_position + n}) outside [0, {TOKEN_LIMIT})")
-    if n < _TORCH_MIN_TOKENS:
+    if n < _VECTOR_MIN_TOKENS:
         vals = t.tolist() if t is not None else list(tokens)
         for i, tok in enumerate(vals):
             h = H.chain_step_int(h, int(tok), first_position + i)  # raises CanaryInputError on a bad token
         return h
-    if t is None:
-        t = torch.tensor(list(tokens), dtype=torch.int64)
-    if not bool(H.chain_value_ok(t).all()):
+    try:
+        arr = t.numpy() if t is not None else np.asarray(tokens, dtype=np.int64).reshape(-1)
+    except (OverflowError, TypeError, ValueError):
+        raise CanaryInputError(f"tokens must be integers in [0, {TOKEN_LIMIT})") from None
+    if arr.shape[0] != n or int(arr.min()) < 0 or int(arr.max()) >= TOKEN_LIMIT:
         raise CanaryInputError(f"tokens must lie in [0, {TOKEN_LIMIT})")
-    # h_n = B^n h + sum_i g_i B^(n-1-i): one wrapping dot product.
-    g = H.chain_g(t, torch.arange(first_position, first_position + n, dtype=torch.int64))
-    pw = powers(CHAIN_BASE, n + 1, t.device)
-    tail = int((g * pw[:n].flip(0)).sum())
-    return (h * H.to_u64(int(pw[n])) + tail) & H.U64
+    # h_n = B^n h + sum_i g_i B^(n-1-i): one wrapping dot product (uint64 products and sums wrap mod 2^64).
+    pw = _POWERS.upto(n + 1)
+    tail = int((chain_g_np(arr, np.arange(first_position, first_position + n, dtype=np.int64)) * pw[n - 1::-1]).sum())
+    return (h * int(pw[n]) + tail) & H.U64
 
 
 class ChainHasher:
@@ -175,6 +176,9 @@ class _Powers:
         return self.table
 
 
+_POWERS = _Powers()
+
+
 @dataclass
 class BatchTruth:
     """Expected chain values (int64 bit-cast) of one forward's requests and which of them are known."""
@@ -193,12 +197,15 @@ class RowChains:
     (rewound, or past a prefix the row never saw) catch up one by one through :func:`chain_truth`, which stays the
     oracle."""
 
-    def __init__(self, rows: int, offset: int = 0, step: Callable[..., int] | None = None) -> None:
+    def __init__(self, rows: int, offset: int = 0, step: Callable[..., int] | None = None,
+                 segments: Callable[..., int] | None = None) -> None:
         """State for ``rows`` slot-table rows; ``offset`` as in :class:`ChainHasher`; ``step``: the native
-        ``hash_chain_step(h, tokens, positions, out) -> errors`` of the C++ backend (None: numpy). The steady decode's
-        one-call form is ``begin_decode`` (docs/ops-contract.md 8c), on ``h`` and ``n``."""
+        ``hash_chain_step(h, tokens, positions, out) -> errors`` of the C++ backend (None: numpy); ``segments``: its
+        ``truth_segments`` (docs/ops-contract.md 8d), which hashes the continuing requests of any forward in one call
+        (None: numpy). The steady decode's one-call form is ``begin_decode`` (8c), on ``h`` and ``n``."""
         self.offset = offset
         self.step = step
+        self.segments = segments
         self.h = np.full(rows, H.CHAIN_H0, dtype=_U64)
         self.n = np.zeros(rows, dtype=np.int64)
         self._pw = _Powers()
@@ -220,11 +227,13 @@ class RowChains:
         fast = live & (self.n[rows] == pre + self.offset)
         if new_tokens is not None and all_set(fast) and all_set(ext == 1):
             return self._decode(rows, pre, new_tokens[:bs])
-        out = BatchTruth(np.zeros(bs, np.int64), np.zeros(bs, np.int64), np.zeros(bs, bool), np.zeros(bs, bool))
-        if new_tokens is not None:
-            self._fast(np.flatnonzero(fast), rows, pre, ext, new_tokens, out)
-        else:
-            fast[:] = False
+        out = self._native_fast(rows, fast, pre, ext, new_tokens) if new_tokens is not None else None
+        if out is None:
+            out = BatchTruth(np.zeros(bs, np.int64), np.zeros(bs, np.int64), np.zeros(bs, bool), np.zeros(bs, bool))
+            if new_tokens is not None:
+                self._fast(np.flatnonzero(fast), rows, pre, ext, new_tokens, out)
+            else:
+                fast[:] = False
         for i in np.flatnonzero(live & ~fast).tolist():
             self._catch_up(i, int(rows[i]), int(pre[i]), int(ext[i]), None if histories is None else histories[i],
                            out)
@@ -242,6 +251,21 @@ class RowChains:
         return BatchTruth(h.view(np.int64) if all_set(has_prefix) else np.where(has_prefix, h.view(np.int64), 0),
                           h_end.view(np.int64) if every else np.where(known, h_end.view(np.int64), 0), has_prefix,
                           known)
+
+    def _native_fast(self, rows: np.ndarray, fast: np.ndarray, pre: np.ndarray, ext: np.ndarray,
+                     new_tokens: np.ndarray) -> BatchTruth | None:
+        """:meth:`_fast` of the ``fast`` rows in one native call (``truth_segments``); None where there is none or it
+        declines (a row or token index out of bounds: the numpy path reports those)."""
+        if self.segments is None:
+            return None
+        res = np.empty((4, rows.shape[0]), np.int64)
+        got = self.segments(rows, pre, ext, np.ascontiguousarray(new_tokens), fast, self.h.view(np.int64), self.n,
+                            self.offset, res)
+        if got == BAD_VALUE:  # a known token or its position outside [0, TOKEN_LIMIT)
+            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
+        if got < 0:
+            return None
+        return BatchTruth(res[0], res[1], res[2].astype(bool), res[3].astype(bool))
 
     def _fast(self, idx: np.ndarray, rows: np.ndarray, pre: np.ndarray, ext: np.ndarray, new_tokens: np.ndarray,
               out: BatchTruth) -> None:

@@ -246,7 +246,8 @@ class Upload:
     def _set_chains(self, offset: int) -> None:
         """Fresh row chains for token ``offset``, and the per-row state begin_decode updates."""
         native = self._native
-        self.chains = RowChains(self.pool.req_rows, offset, None if native is None else native.hash_chain_step)
+        self.chains = RowChains(self.pool.req_rows, offset, None if native is None else native.hash_chain_step,
+                                None if native is None else native.truth_segments)
         r = self.requests
         self._row_state = self._stage.row_state(self.chains.h, self.chains.n, r.seen, r.prefix)
 
@@ -304,8 +305,8 @@ def _given_chains(given: Sequence[tuple[int | None, int | None]], live: np.ndarr
 
 
 def _native_host(backend: str) -> Any:
-    """The C++ module whose host op hash_chain_step serves the token truth, when a native backend is in use and it
-    loads; None: numpy."""
+    """The C++ module whose host ops (hash_chain_step, truth_segments) serve the token truth, when a native backend is
+    in use and it loads; None: numpy."""
     if backend == "torch" or not _native.available("cpu"):
         return None
     return _native.module("cpu")

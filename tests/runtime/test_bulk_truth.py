@@ -35,7 +35,9 @@ _forward = st.lists(st.tuples(st.integers(0, 4), st.integers(0, ROWS - 1), st.in
 
 
 def _native_chains(rows: int, offset: int = 0) -> RowChains:
-    return RowChains(rows, offset, _native.module("cpu").hash_chain_step)
+    """The chains as the runtime builds them on a native backend (both host ops)."""
+    cpu = _native.module("cpu")
+    return RowChains(rows, offset, cpu.hash_chain_step, cpu.truth_segments)
 
 
 def _steady_truth(chains: RowChains, rows: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
@@ -67,15 +69,16 @@ def _steady_truth(chains: RowChains, rows: np.ndarray, live: np.ndarray, pre: np
 
 @settings(max_examples=150, deadline=None)
 @given(steps=st.lists(_forward, min_size=1, max_size=8), offset=st.integers(0, 1), seed=st.integers(0, 2**16),
-       bulk=st.booleans(), native=st.sampled_from(["no", "step", "decode"]))
+       bulk=st.booleans(), native=st.sampled_from(["no", "step", "segments", "decode"]))
 def test_row_chains_equal_chain_hasher(steps: list[list[tuple[int, int, int, bool]]], offset: int, seed: int,
                                        bulk: bool, native: str) -> None:
-    """Every path (numpy, the native step, the native steady decode) against the oracle, forward by forward."""
+    """Every path (numpy, the native step, the native segments, the native steady decode) against the oracle,
+    forward by forward."""
     rng = np.random.default_rng(seed)
     hist = {k: [int(t) for t in rng.integers(0, 1000, int(rng.integers(4, 30)))] for k in range(5)}  # truth known
     done = dict.fromkeys(range(5), 0)  # tokens each request has in its KV so far
     oracle = ChainHasher(offset)
-    chains = _native_chains(ROWS, offset) if native == "decode" else \
+    chains = _native_chains(ROWS, offset) if native in ("segments", "decode") else \
         RowChains(ROWS, offset, _native.module("cpu").hash_chain_step if native == "step" else None)
     requests = RequestRows(ROWS)  # the rows' owners, as Upload keeps them
     for fwd in steps:
@@ -96,7 +99,8 @@ def test_row_chains_equal_chain_hasher(steps: list[list[tuple[int, int, int, boo
         karr, live = np.array(keys, dtype=object), np.ones(len(keys), bool)
         claims = np.flatnonzero(requests.unclaimed(rows, karr, live))
         chains.reset(requests.claim(rows, karr, claims)[1])
-        got = _steady_truth(chains, rows, live, pre, ext, np.array(new, np.int64)) if bulk and not claims.size else None
+        steady = bulk and native == "decode" and not claims.size
+        got = _steady_truth(chains, rows, live, pre, ext, np.array(new, np.int64)) if steady else None
         if got is None:
             got = chains.forward(rows, live, pre, ext, np.array(new, np.int64) if bulk else None, histories)
         for i, k in enumerate(keys):
@@ -116,12 +120,18 @@ def test_padding_rows_are_left_alone() -> None:
     assert (chains.h[0], chains.n[0]) == (H.CHAIN_H0, 0) and chains.n[1] == 2
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_bad_true_token_raises(native: bool) -> None:
-    chains = RowChains(2, step=_native.module("cpu").hash_chain_step if native else None)
+@pytest.mark.parametrize("native", ["no", "step", "segments"])
+@pytest.mark.parametrize("ext", [1, 3])
+def test_bad_true_token_raises_and_changes_nothing(native: str, ext: int) -> None:
+    cpu = _native.module("cpu")
+    chains = RowChains(2, 0, cpu.hash_chain_step if native != "no" else None,
+                       cpu.truth_segments if native == "segments" else None)
     chains.forward(np.array([1]), np.array([True]), np.array([0]), np.array([1]), None, [(3,)])
+    before = (chains.h.copy(), chains.n.copy())
     with pytest.raises(CanaryInputError):
-        chains.forward(np.array([1]), np.array([True]), np.array([1]), np.array([1]), np.array([1 << 31]), [(3,)])
+        chains.forward(np.array([1]), np.array([True]), np.array([1]), np.array([ext]),
+                       np.array([4] * (ext - 1) + [1 << 31]), [(3,)])
+    assert (chains.h == before[0]).all() and (chains.n == before[1]).all()
 
 
 def test_reset_row_restarts_from_the_empty_chain() -> None:
