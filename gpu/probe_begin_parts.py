@@ -9,10 +9,12 @@ from collections import defaultdict
 import kvcanary.adapter as ad
 import kvcanary.engine.canary as ec
 import kvcanary.manager as mg
+import kvcanary.ops.stage_batch as sb
 import kvcanary.program as pg
 import kvcanary.rows as rw
 import kvcanary.truth as tr
 import kvcanary.upload as up
+import torch
 from kvcanary.demo import clean_run
 
 TIMES: dict[str, list[float]] = defaultdict(list)
@@ -35,7 +37,8 @@ for owner, name in ((mg.CanaryManager, "_begin"), (mg.CanaryManager, "_begin_ste
                     (mg.CanaryManager, "_report_due"), (up.Upload, "begin"), (up.Upload, "_truth"),
                     (up.Upload, "_claim"), (ad.BatchView, "validate_arrays"), (ad.BatchView, "validate_fit"),
                     (tr.RowChains, "forward"), (pg.DeviceProgram, "_bind"), (ec, "batch_view"),
-                    (rw.RequestRows, "ran"), (rw.RequestRows, "unclaimed")):
+                    (rw.RequestRows, "ran"), (rw.RequestRows, "unclaimed"), (sb.BatchStager, "__call__"),
+                    (up.Upload, "_staged"), (torch.cuda.Event, "synchronize")):
     timed(owner, name)
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cuda"

@@ -111,3 +111,5 @@ def test_new_token_truth_is_flat_like_input_ids_with_the_offset() -> None:
     hist = [(10, 11, 12, 13), (20, 21, 22), ()]
     assert new_token_truth(hist, [2, 1, 0], [2, 3, 1], 6).tolist() == [12, 13, 21, 22, -1, -1]
     assert new_token_truth(hist, [2, 1, 0], [2, 3, 1], 6, offset=1).tolist() == [13, -1, 22, -1, -1, -1]
+    with pytest.raises(CanaryInputError, match="more than the 5 new tokens"):
+        new_token_truth(hist, [2, 1, 0], [2, 3, 1], 5)

@@ -142,12 +142,16 @@ def new_token_truth(truth: Sequence[Sequence[int]], pre: Sequence[int], ext: Seq
                     offset: int = 0) -> np.ndarray:
     """BatchView.true_new_tokens from per-row histories: the true token of each new position p of row i,
     ``truth[i][p + offset]``, flat like input_ids (rows' ``ext[i]`` tokens in order), -1 past a history's end."""
-    out = np.full(n, -1, dtype=np.int64)
-    at = 0
-    for hist, p, e in zip(truth, pre, ext, strict=True):
+    flat: list[int] = []
+    for hist, p, e in zip(truth, pre, ext, strict=True):  # one flat list, one conversion (not a copy per row)
         seg = hist[p + offset:p + offset + e]
-        out[at:at + len(seg)] = seg
-        at += e
+        flat.extend(seg)
+        if len(seg) < e:
+            flat.extend((-1,) * (e - len(seg)))
+    if len(flat) > n:
+        raise CanaryInputError(f"extend lengths sum to {len(flat)}, more than the {n} new tokens")
+    out = np.full(n, -1, dtype=np.int64)
+    out[:len(flat)] = flat
     return out
 
 
