@@ -1,15 +1,21 @@
 """Probe (GPU machine): every canary hook call's host time in the demo's clean run, cold (first run in the process)
 and warm (repeated): where the cold run's extra time lands (which hook, which forward) and how the slowest calls
-split between the manager's steps. Usage: python3 gpu/probe_hook_times.py [cuda|cpu]."""
+split between the manager's steps, down to the parts of begin_forward's general path (the upload, its token truth,
+checks, claims and staging call) and the engine's batch view. Usage: python3 gpu/probe_hook_times.py [cuda|cpu]."""
 
 import statistics
 import sys
 import time
 from collections import defaultdict
 
+import kvcanary.adapter as ad
 import kvcanary.engine.canary as ec
 import kvcanary.manager as mg
+import kvcanary.ops.stage_batch as sb
 import kvcanary.sweep as sw
+import kvcanary.truth as tr
+import kvcanary.upload as up
+import torch
 from kvcanary.demo import clean_run
 
 CALLS: list[tuple[str, float]] = []
@@ -41,6 +47,11 @@ for step in ("_derive", "_verify"):  # the rolling sweep's parts, beside the exp
     timed(sw.Sweeper, step, STEPS)
 timed(ec.EngineCanary, "_export", STEPS)
 timed(sw, "plan_roll", STEPS)
+for owner, step in ((mg.CanaryManager, "_begin"), (mg.CanaryManager, "_begin_steady"), (mg.CanaryManager, "_begun"),
+                    (up.Upload, "begin"), (up.Upload, "_truth"), (up.Upload, "_claim"), (up.Upload, "_staged"),
+                    (ad.BatchView, "validate_arrays"), (tr.RowChains, "forward"), (sb.BatchStager, "__call__"),
+                    (torch.cuda.Event, "synchronize"), (ec, "batch_view")):  # begin_forward's parts
+    timed(owner, step, STEPS)
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 for label in ("cold", "warm"):

@@ -168,7 +168,8 @@ def chain_g_np(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 class _Powers:
-    """CHAIN_BASE^k mod 2^64 as uint64, k = 0..n-1, grown on demand."""
+    """CHAIN_BASE^k mod 2^64 as uint64, k = 0..n-1, grown on demand (one table for the module: it depends on nothing
+    else)."""
 
     def __init__(self) -> None:
         self.table = np.ones(1, dtype=_U64)
@@ -212,7 +213,6 @@ class RowChains:
         self.segments = segments
         self.h = np.full(rows, H.CHAIN_H0, dtype=_U64)
         self.n = np.zeros(rows, dtype=np.int64)
-        self._pw = _Powers()
 
     def reset(self, rows: Sequence[int] | np.ndarray) -> None:
         """Rows now held by another request (or none): back to the empty chain."""
@@ -312,7 +312,7 @@ class RowChains:
         tok = new_tokens[begin[seg] + j]
         pos = pre[seg] + j
         self._check(tok, pos)
-        pw = self._pw.upto(int(ext.max(initial=0)) + 1)
+        pw = _POWERS.upto(int(ext.max(initial=0)) + 1)
         terms = chain_g_np(np.maximum(tok, 0), pos) * pw[ext[seg] - 1 - j]
         # per request sums over its run of the flat arrays (reduceat: runs start at strictly increasing offsets, so
         # requests without new tokens are left out; uint64 adds wrap as the chain's do)
