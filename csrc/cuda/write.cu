@@ -356,6 +356,14 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
       serial = __syncthreads_or(len > kSerialMaxLen ? 1 : 0) == 0;
       if (serial && len > 0) write_segment_serial(a, a.plan + static_cast<int64_t>(threadIdx.x) * kNumPlanCols, len,
                                                   tally);
+      // Block-uniform. Each thread flushes its own counts: a block-wide sum (two barriers that wait for the slowest
+      // serial loop, 64-bit shuffles) or even a warp sum cost a one-token write half its time on an H100, 6.5 -> 3.2 us
+      // (gpu/probe_variants.py: w_nosum, wf_redux, wf_own). A thread's counts are at most kSerialMaxLen per half, one
+      // atomic each where nonzero: at most kWriteThreads per counter.
+      if (serial && ws.data == nullptr) {
+        for (int64_t h = 0; h < a.halves; ++h) write_tally_flush(a, h, tally[h]);
+        return;
+      }
     }
   }
   // With a workspace (several blocks, one tile each): this block's tile is its ticket, and the launch's generation.

@@ -1,0 +1,66 @@
+"""Probe helper (GPU machine): patch a copy of csrc/ for one variant and JIT-build it (gpu/probe_variants.sh).
+Usage: python3 gpu/probe_variants.py VARIANT DIR (DIR/src holds the copies; the module goes to DIR/build)."""
+
+import glob
+import sys
+from pathlib import Path
+
+import tvm_ffi.cpp
+from kvcanary import _native
+
+EMPTY = ("await_prior_kernels();", "await_prior_kernels(); if (threadIdx.x < 100000) return;")
+VARIANTS: dict[str, list[tuple[str, str, str]]] = {
+    "base": [],
+    "w_empty": [("cuda/write.cu", *EMPTY)],
+    "v_empty": [("cuda/verify.cu", *EMPTY)],
+    "all_empty": [("cuda/write.cu", *EMPTY), ("cuda/verify.cu", *EMPTY), ("cuda/plan.cu", *EMPTY)],
+    # the serial segment loop skipped (the range checks, sums and counter flush kept)
+    "w_noserial": [("cuda/write.cu", "if (serial && len > 0) write_segment_serial(", "if (serial && len < 0) write_segment_serial(")],
+    # the kernel ends after the serial path (no block sum, no counter flush)
+    "w_noflush": [("cuda/write.cu", "  int64_t counts[3 * MAX_HALVES] = {tally[0].written",
+                   "  if (serial) return;\n  int64_t counts[3 * MAX_HALVES] = {tally[0].written")],
+    "w_noprefetch": [("cuda/write.cu", "  own.prefetch(a);\n", "")],
+    "w_noblock0": [("cuda/write.cu", "  if (blockIdx.x == 0) {\n    for (int64_t s = threadIdx.x; s < nseg;",
+                    "  if (blockIdx.x == 1000) {\n    for (int64_t s = threadIdx.x; s < nseg;")],
+    # no counter atomics at the end (the block sum kept)
+    "w_nocount": [("cuda/write.cu", "      write_tally_flush(a, h, WriteTally{counts[3 * h]", "      if (h < 0) write_tally_flush(a, h, WriteTally{counts[3 * h]")],
+    # no block sum: each thread flushes its own tally (one atomic per nonzero count per thread)
+    "w_nosum": [("cuda/write.cu", "  block_sum_to_thread0<kWriteThreads, 3 * MAX_HALVES>(counts, s_reduce);\n  if (threadIdx.x == 0) {",
+                 "  {")],
+    # the record store skipped
+    "w_nostore": [("core/write.cuh", "  write_record(a, e.slot, half) = CanaryRecord{", "  if (e.slot < -5) write_record(a, e.slot, half) = CanaryRecord{")],
+    # the seed record never read (every seed a chain head)
+    "w_noseed": [("core/write.cuh", "  if (plan_flag(row, PlanFlag::SEED_IS_HEAD)) return WriteSeed{true, chain_h0(), -1};",
+                  "  if (true) return WriteSeed{true, chain_h0(), -1};")],
+    # the verify's closing counts skipped (its block sum kept)
+    "v_nocount": [("cuda/verify.cu", "  if (threadIdx.x == 0) {\n    for (int64_t h = 0; h < halves; ++h) {\n      count(P.sink, P.tags[h], CounterCol::ENTRIES_CHECKED",
+                   "  if (threadIdx.x == 100000) {\n    for (int64_t h = 0; h < halves; ++h) {\n      count(P.sink, P.tags[h], CounterCol::ENTRIES_CHECKED")],
+    # the verify's counts summed per warp and flushed by each warp's lane 0 (no block-wide sum)
+    "v_warpflush": [("cuda/verify.cu", "  block_sum_to_thread0<kVerifyThreads, 3>(counts, s_reduce);\n  if (threadIdx.x == 0) {",
+                     "  for (int k = 0; k < 3; ++k) counts[k] = warp_sum_i64(counts[k]);\n  if (threadIdx.x % kWarp == 0) {"),
+                    ("cuda/verify.cu", "      if (blockIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);",
+                     "      if (blockIdx.x == 0 && threadIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);")],
+    # the verify's counts flushed by every thread (no sums; a measurement only: a large grid would issue one atomic per
+    # thread)
+    "v_ownflush": [("cuda/verify.cu", "  block_sum_to_thread0<kVerifyThreads, 3>(counts, s_reduce);\n  if (threadIdx.x == 0) {",
+                    "  {"),
+                   ("cuda/verify.cu", "      if (blockIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);",
+                    "      if (blockIdx.x == 0 && threadIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);")],
+}
+
+
+def main() -> None:
+    var, d = sys.argv[1], Path(sys.argv[2])
+    for rel, old, new in VARIANTS[var]:
+        path = d / "src" / "csrc" / rel
+        text = path.read_text()
+        if old not in text:
+            raise SystemExit(f"{var}: {old!r} not in {rel}")
+        path.write_text(text.replace(old, new, 1))
+    tvm_ffi.cpp.build("kvcanary_cuda", cuda_files=sorted(glob.glob(f"{d}/src/csrc/cuda/*.cu")),
+                      extra_cuda_cflags=_native.CUDA_FLAGS,
+                      extra_include_paths=[f"{d}/src/csrc", f"{d}/src/include"], build_directory=f"{d}/build")
+
+
+if __name__ == "__main__":
+    main()
