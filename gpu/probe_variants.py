@@ -46,6 +46,16 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
                     "  {"),
                    ("cuda/verify.cu", "      if (blockIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);",
                     "      if (blockIdx.x == 0 && threadIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);")],
+    # the write's WRITE_RUNS count at the end (thread 0's flush) instead of block 0's start (decode path only)
+    "w_runs_last": [("cuda/write.cu", "      for (int64_t h = 0; h < a.halves; ++h) count(a.sink, a.tags[h], CounterCol::WRITE_RUNS, 1);\n",
+                     ""),
+                    ("cuda/write.cu", "        for (int64_t h = 0; h < a.halves; ++h) write_tally_flush(a, h, tally[h]);",
+                     "        for (int64_t h = 0; h < a.halves; ++h) write_tally_flush(a, h, tally[h]);\n"
+                     "        if (threadIdx.x == 0) for (int64_t h = 0; h < a.halves; ++h) count(a.sink, a.tags[h], CounterCol::WRITE_RUNS, 1);")],
+    # the verify's next-entry prefetch skipped
+    "v_nonext": [("cuda/verify.cu", "    if (nseg <= kSmemSegments) {", "    if (nseg < 0) {")],
+    # the plan's L1 prefetches skipped
+    "p_noprefetch": [("cuda/plan.cu", "    if (in) {\n      if (a.expect_prefix != nullptr) prefetch_l1", "    if (in && a.bs < 0) {\n      if (a.expect_prefix != nullptr) prefetch_l1")],
 }
 
 

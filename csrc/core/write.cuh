@@ -2,7 +2,7 @@
 //
 // Driving a write (what csrc/cpu/write.cc does serially; a CUDA kernel does the same per segment and half with a
 // block scan of WriteCarry over the segment's tokens):
-//   nseg = write_num_segments(args)
+//   nseg = plan_num_segments(args.status, args.plan_cap)
 //   for seg in [0, nseg): row = args.plan + seg * kNumPlanCols
 //     if WRITE_LEN == 0: continue
 //     if !write_range_ok(args, row): write_emit_range_error(args, row, h) for every half; continue
@@ -37,6 +37,7 @@
 
 #include "fingerprint.cuh"
 #include "hash.cuh"
+#include "plan.cuh"
 #include "resolve.cuh"
 #include "sink.cuh"
 #include "tensor_checks.h"
@@ -76,12 +77,6 @@ KVC_HD CanaryRecord& write_record(const WriteArgs& a, int64_t slot, int64_t half
 KVC_HD int64_t plan_at(const int64_t* row, PlanCol c) { return row[col(c)]; }
 KVC_HD bool plan_flag(const int64_t* row, PlanFlag f) { return (row[col(PlanCol::FLAGS)] & bits(f)) != 0; }
 KVC_HD bool write_check(const WriteArgs& a, WriteCheck c) { return (a.checks & bits(c)) != 0; }
-
-// Valid plan rows: status NUM_SEGMENTS clamped to [0, plan_cap] (a bogus count never reads past the plan).
-KVC_HD int64_t write_num_segments(const WriteArgs& a) {
-  const int64_t n = a.status[col(PlanStatusCol::NUM_SEGMENTS)];
-  return n < 0 ? 0 : (n > a.plan_cap ? a.plan_cap : n);
-}
 
 KVC_HD bool write_range_ok(const WriteArgs& a, const int64_t* row) {
   const int64_t wb = plan_at(row, PlanCol::WRITE_BEGIN), wl = plan_at(row, PlanCol::WRITE_LEN);

@@ -32,7 +32,7 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
                                       input_ids, positions, out_cache_loc, ring_rows, ring_count, counters, step,
                                       checks, pool_tokens, pool_lens, has_pool, token_offset, fp_table, fp_mode,
                                       fp_layer_stride, table_page);
-  const int64_t nseg = write_num_segments(a);
+  const int64_t nseg = plan_num_segments(a.status, a.plan_cap);
   for (int64_t seg = 0; seg < nseg; ++seg) {
     const int64_t* row = a.plan + seg * kNumPlanCols;
     if (plan_at(row, PlanCol::WRITE_LEN) == 0) continue;

@@ -154,7 +154,9 @@ __device__ __forceinline__ bool segment_range_error(const WriteArgs& a, const in
 
 // Row threadIdx.x's write fields, loaded together with the status (rows below plan_cap are in bounds whatever the
 // status says): with at most kWriteThreads segments, a thread's first segment is its own row, so the status ->
-// plan round trip is gone. Only the fields segment_entries / segment_range_error / prefetch read are loaded.
+// plan round trip is gone. Only the fields segment_entries / segment_range_error read are loaded. (It also prefetched
+// the row's first token and seed record into L1; dropping that made the decode bracket 0.8 us faster on an H100,
+// gpu/probe_variants.py w_noprefetch.)
 struct OwnRow {
   int64_t v[kNumPlanCols];
   __device__ __forceinline__ explicit OwnRow(const WriteArgs& a) : v{} {
@@ -162,33 +164,7 @@ struct OwnRow {
       const int64_t* row = a.plan + static_cast<int64_t>(threadIdx.x) * kNumPlanCols;
       v[col(PlanCol::WRITE_BEGIN)] = plan_at(row, PlanCol::WRITE_BEGIN);
       v[col(PlanCol::WRITE_LEN)] = plan_at(row, PlanCol::WRITE_LEN);
-      v[col(PlanCol::SEED_SLOT)] = plan_at(row, PlanCol::SEED_SLOT);
-      v[col(PlanCol::FLAGS)] = plan_at(row, PlanCol::FLAGS);
-      v[col(PlanCol::ROW)] = plan_at(row, PlanCol::ROW);
-      v[col(PlanCol::PREFIX_LEN)] = plan_at(row, PlanCol::PREFIX_LEN);
     }
-  }
-  // Speculative L1 prefetches (no effect on results; only addresses inside their tensors): the row's first new
-  // token and its seed record, read later by whichever thread holds them. One-block launches only (decode): with
-  // several blocks the reader is usually on another SM.
-  __device__ __forceinline__ void prefetch(const WriteArgs& a) const {
-    if (gridDim.x != 1 || static_cast<int64_t>(threadIdx.x) >= a.plan_cap || plan_at(v, PlanCol::WRITE_LEN) <= 0 ||
-        !write_range_ok(a, v)) {
-      return;
-    }
-    const int64_t k = plan_at(v, PlanCol::WRITE_BEGIN);
-    prefetch_l1(a.input_ids + k);
-    prefetch_l1(a.positions + k);
-    prefetch_l1(a.out_cache_loc + k);
-    const int64_t trow = plan_at(v, PlanCol::ROW), tcol = plan_at(v, PlanCol::PREFIX_LEN);
-    if (write_check(a, WriteCheck::STRUCTURAL) && !plan_flag(v, PlanFlag::PADDING) && trow >= 0 &&
-        trow < a.table.rows && tcol >= 0 && tcol < a.table.cols) {
-      prefetch_table(a.table, trow, tcol);  // the structural check's cell of the first new token
-    }
-    if (plan_flag(v, PlanFlag::SEED_IS_HEAD)) return;
-    const Resolved r = resolve_slot(a.group, plan_at(v, PlanCol::SEED_SLOT));
-    if (r.status != SlotStatus::kOk) return;
-    for (int64_t h = 0; h < a.halves; ++h) prefetch_l1(&write_record(a, r.slot, h));
   }
   // Is segment s (< plan_cap) this thread's own row.
   __device__ __forceinline__ bool is(int64_t s) const { return s == static_cast<int64_t>(threadIdx.x); }
@@ -326,9 +302,8 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
   __shared__ int64_t s_fp_slot[kFp ? kWriteThreads : 1];
   __shared__ int64_t s_fp_pos[kFp ? kWriteThreads : 1];
 
-  const int64_t nseg = write_num_segments(a);
+  const int64_t nseg = plan_num_segments(a.status, a.plan_cap);
   const OwnRow own(a);
-  own.prefetch(a);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
 
   // Whole-segment range errors and the per-call run counters: block 0 only.
