@@ -56,6 +56,14 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "v_nonext": [("cuda/verify.cu", "    if (nseg <= kSmemSegments) {", "    if (nseg < 0) {")],
     # the plan's L1 prefetches skipped
     "p_noprefetch": [("cuda/plan.cu", "    if (in) {\n      if (a.expect_prefix != nullptr) prefetch_l1", "    if (in && a.bs < 0) {\n      if (a.expect_prefix != nullptr) prefetch_l1")],
+    # the decode write's halves one at a time (each half's seed read after the previous half's stores), as before
+    # 2026-11-27's change
+    "w_kv_seq": [("cuda/write.cu", """  WriteSeed seeds[MAX_HALVES];
+#pragma unroll
+  for (int h = 0; h < MAX_HALVES; ++h) seeds[h] = h < a.halves ? write_seed_value(a, row, h) : WriteSeed{false, 0, 0};""",
+                  ""),
+                 ("cuda/write.cu", """    const WriteSeed seed = h == 0 ? seeds[0] : seeds[1];""",
+                  """    const WriteSeed seed = write_seed_value(a, row, h);""")],
 }
 
 

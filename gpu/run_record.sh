@@ -7,7 +7,8 @@
 # Needs .whl with the tvm-ffi wheel (../shared/tools/fetch-gpu-wheels) and a kvcanary wheel (pip wheel --no-deps .
 # where nvcc is), and .hfproto/wheels/transformers-5.23.0 for the transformers tests. Usage: bash gpu/run_record.sh
 # (NO_BENCH=1: skip the two benchmark steps, for a change that leaves every kernel as it was; SRC_PY=1: this tree's
-# Python on the wheel's native library, for Python changed since the wheel was built).
+# Python on the wheel's native library, for Python changed since the wheel was built; JIT=1: this tree's Python and
+# its C++/CUDA sources, JIT-built once at the start (the wheel then only supplies tvm-ffi and the transformers pins)).
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -19,6 +20,8 @@ mkdir -p "$OUT"
   origin=packaged
   [ -z "${SRC_PY:-}" ] || { origin=native_dir; export PYTHONPATH=$PWD/python:$PWD/generated/python:$PYTHONPATH \
     KVCANARY_NATIVE_DIR=/tmp/site/kvcanary/_lib; }
+  [ -z "${JIT:-}" ] || { origin=jit; rm -rf /tmp/site/kvcanary; export PYTHONPATH=$PWD/python:$PWD/generated/python:$PYTHONPATH \
+    TVM_FFI_CUDA_ARCH_LIST=9.0a; }
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
   python3 -c "from kvcanary import _native; l = _native.load('cuda'); print('cuda module', l.origin, l.path, \
     _native.build_info()); raise SystemExit(l.origin != '$origin')" || exit 1
@@ -42,6 +45,6 @@ mkdir -p "$OUT"
   done; }
   echo "=== demo $(date -u +%T)"
   timeout 90 python3 -m kvcanary demo --device cuda --json > "$OUT/demo_cuda.json"; echo "demo rc=$?"
-  echo "=== JIT builds during the run: $(find /tmp/kvcanary-jit -name '*.so' 2>/dev/null | wc -l) (0 expected)"
+  echo "=== JIT builds during the run: $(find /tmp/kvcanary-jit -name '*.so' 2>/dev/null | wc -l) (0 expected; JIT=1: 2)"
   echo "=== done $(date -u +%T)"
 } 2>&1 | tee "$OUT/log.txt"

@@ -6,10 +6,10 @@
 //   for seg in [0, nseg): row = args.plan + seg * kNumPlanCols
 //     if WRITE_LEN == 0: continue
 //     if !write_range_ok(args, row): write_emit_range_error(args, row, h) for every half; continue
+//     seed[h] = write_seed_value(args, row, h) for every half   // read before any store
 //     for j in [0, WRITE_LEN): write_structural(args, row, write_entry_load(args, row, j))   // half-independent
 //     for half h:
-//       WriteSeed seed = write_seed(args, row, h)          // emits the seed INPUT_ERROR row itself
-//       if !seed.ok: continue
+//       if !seed[h].ok: write_emit_seed_error(args, row, h); continue
 //       carry = write_carry_identity(); tally = {}
 //       for j in [0, WRITE_LEN):                           // exclusive scan: entry j sees carry of 0..j-1
 //         e = write_entry_load(args, row, j)
@@ -132,13 +132,6 @@ KVC_HD void write_emit_seed_error(const WriteArgs& a, const int64_t* row, int64_
   write_emit_input_error(a, v, half);
 }
 
-// Seed of one segment and half; emits the INPUT_ERROR row itself when the seed does not resolve.
-KVC_HD WriteSeed write_seed(const WriteArgs& a, const int64_t* row, int64_t half) {
-  const WriteSeed seed = write_seed_value(a, row, half);
-  if (!seed.ok) write_emit_seed_error(a, row, half);
-  return seed;
-}
-
 enum class WriteKind : int32_t { kPad = 0, kSlotError = 1, kEvicted = 2, kBadValue = 3, kWrite = 4 };
 
 // One new token of a segment, resolved (half-independent).
@@ -217,7 +210,7 @@ KVC_HD void write_structural(const WriteArgs& a, const int64_t* row, const Write
   emit(a.sink, v);
 }
 
-// Per-half counter increments of a run of entries (flushed once by the caller: few atomics on the GPU).
+// Per-half counter increments of a run of entries (flushed once per run by the caller: one atomic per nonzero count).
 struct WriteTally {
   int64_t written;
   int64_t input_errors;
@@ -305,6 +298,35 @@ KVC_HD void write_expect_new(const WriteArgs& a, const int64_t* row, int64_t hal
   v[ViolationCol::STORED_HASH] = static_cast<int64_t>(h_end);
   v[ViolationCol::EXPECTED_HASH] = want;
   emit(a.sink, v);
+}
+
+// The serial write of one segment with len > 0 entries and a valid range (the CPU backend's loop; on CUDA, one
+// thread's segment of a decode-sized write); its counts are added to tally.
+KVC_HD void write_segment_serial(const WriteArgs& a, const int64_t* row, int64_t len,
+                                 WriteTally (&tally)[MAX_HALVES]) {
+  // Every half's seed record is read first, before anything can be stored (a store in between would order the next
+  // load after it): their loads overlap. A half's stores never touch another half's records, so the values are those
+  // of the one-half-at-a-time loop.
+  WriteSeed seeds[MAX_HALVES];
+  for (int h = 0; h < MAX_HALVES; ++h) seeds[h] = h < a.halves ? write_seed_value(a, row, h) : WriteSeed{false, 0, 0};
+  if (write_check(a, WriteCheck::STRUCTURAL)) {
+    for (int64_t j = 0; j < len; ++j) write_structural(a, row, write_entry_load(a, row, j));
+  }
+  for (int64_t h = 0; h < a.halves; ++h) {
+    const WriteSeed seed = h == 0 ? seeds[0] : seeds[1];  // selects: a runtime index would put seeds in local memory
+    if (!seed.ok) {
+      write_emit_seed_error(a, row, h);
+      continue;
+    }
+    WriteCarry carry = write_carry_identity();
+    for (int64_t j = 0; j < len; ++j) {
+      const WriteEntry e = write_entry_load(a, row, j);
+      tally[h] = write_tally_add(tally[h], write_entry_apply(a, row, h, e, chain_apply(carry.map, seed.h),
+                                                             write_prev_pos(a, row, carry, seed)));
+      carry = write_carry_compose(carry, write_entry_carry(e));
+    }
+    write_expect_new(a, row, h, chain_apply(carry.map, seed.h), carry.last_j);
+  }
 }
 
 // Host checks of every write argument and the raw view the per-token logic runs on (shared by CPU and CUDA).

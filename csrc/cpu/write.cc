@@ -40,24 +40,9 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
       for (int64_t h = 0; h < a.halves; ++h) write_emit_range_error(a, row, h);
       continue;
     }
-    const int64_t len = plan_at(row, PlanCol::WRITE_LEN);
-    if (write_check(a, WriteCheck::STRUCTURAL)) {
-      for (int64_t j = 0; j < len; ++j) write_structural(a, row, write_entry_load(a, row, j));
-    }
-    for (int64_t h = 0; h < a.halves; ++h) {
-      const WriteSeed seed = write_seed(a, row, h);
-      if (!seed.ok) continue;
-      WriteCarry carry = write_carry_identity();
-      WriteTally tally{0, 0, 0};
-      for (int64_t j = 0; j < len; ++j) {
-        const WriteEntry e = write_entry_load(a, row, j);
-        const uint64_t h_before = chain_apply(carry.map, seed.h);
-        tally = write_tally_add(tally, write_entry_apply(a, row, h, e, h_before, write_prev_pos(a, row, carry, seed)));
-        carry = write_carry_compose(carry, write_entry_carry(e));
-      }
-      write_tally_flush(a, h, tally);
-      write_expect_new(a, row, h, chain_apply(carry.map, seed.h), carry.last_j);
-    }
+    WriteTally tally[MAX_HALVES] = {{0, 0, 0}, {0, 0, 0}};
+    write_segment_serial(a, row, plan_at(row, PlanCol::WRITE_LEN), tally);
+    for (int64_t h = 0; h < a.halves; ++h) write_tally_flush(a, h, tally[h]);
   }
   for (int64_t h = 0; h < a.halves; ++h) count(a.sink, a.tags[h], CounterCol::WRITE_RUNS, 1);
 }

@@ -170,27 +170,6 @@ struct OwnRow {
   __device__ __forceinline__ bool is(int64_t s) const { return s == static_cast<int64_t>(threadIdx.x); }
 };
 
-// The serial loop of core/write.cuh (what the CPU backend runs) for one segment with len > 0 entries and a valid
-// range, by one thread; its counts go to tally.
-__device__ __forceinline__ void write_segment_serial(const WriteArgs& a, const int64_t* row, int64_t len,
-                                                     WriteTally (&tally)[MAX_HALVES]) {
-  if (write_check(a, WriteCheck::STRUCTURAL)) {
-    for (int64_t j = 0; j < len; ++j) write_structural(a, row, write_entry_load(a, row, j));
-  }
-  for (int64_t h = 0; h < a.halves; ++h) {
-    const WriteSeed seed = write_seed(a, row, h);  // emits the seed INPUT_ERROR row itself
-    if (!seed.ok) continue;
-    WriteCarry carry = write_carry_identity();
-    for (int64_t j = 0; j < len; ++j) {
-      const WriteEntry e = write_entry_load(a, row, j);
-      tally[h] = write_tally_add(tally[h], write_entry_apply(a, row, h, e, chain_apply(carry.map, seed.h),
-                                                             write_prev_pos(a, row, carry, seed)));
-      carry = write_carry_compose(carry, write_entry_carry(e));
-    }
-    write_expect_new(a, row, h, chain_apply(carry.map, seed.h), carry.last_j);
-  }
-}
-
 // The look-back workspace (int64): a header, then per tile its aggregate and the flag that publishes it. Zeroed once
 // at allocation; each launch takes tile tickets in start order (a block waits only on tiles whose blocks already run),
 // publishes with flag = generation + 1, and its last block to finish restores the ticket and done counters and bumps
