@@ -1,5 +1,7 @@
 """Probe helper (GPU machine): patch a copy of csrc/ for one variant and JIT-build it (gpu/probe_variants.sh).
-Usage: python3 gpu/probe_variants.py VARIANT DIR (DIR/src holds the copies; the module goes to DIR/build)."""
+Usage: python3 gpu/probe_variants.py VARIANT DIR (DIR/src holds the copies; the module goes to DIR/build). A variant's
+edits are of the source it was measured on (bench/results/kernel_session12/probes.md names the commits); once that
+source changes, the variant stops with a message instead of building something else."""
 
 import glob
 import sys
@@ -56,13 +58,12 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "v_nonext": [("cuda/verify.cu", "    if (nseg <= kSmemSegments) {", "    if (nseg < 0) {")],
     # the plan's L1 prefetches skipped
     "p_noprefetch": [("cuda/plan.cu", "    if (in) {\n      if (a.expect_prefix != nullptr) prefetch_l1", "    if (in && a.bs < 0) {\n      if (a.expect_prefix != nullptr) prefetch_l1")],
-    # the decode write's halves one at a time (each half's seed read after the previous half's stores), as before
-    # 2026-11-27's change
-    "w_kv_seq": [("cuda/write.cu", """  WriteSeed seeds[MAX_HALVES];
-#pragma unroll
+    # the serial write's halves one at a time (each half's seed read after the previous half's stores), as before
+    # 54788c3
+    "w_kv_seq": [("core/write.cuh", """  WriteSeed seeds[MAX_HALVES];
   for (int h = 0; h < MAX_HALVES; ++h) seeds[h] = h < a.halves ? write_seed_value(a, row, h) : WriteSeed{false, 0, 0};""",
                   ""),
-                 ("cuda/write.cu", """    const WriteSeed seed = h == 0 ? seeds[0] : seeds[1];""",
+                 ("core/write.cuh", """    const WriteSeed seed = h == 0 ? seeds[0] : seeds[1];""",
                   """    const WriteSeed seed = write_seed_value(a, row, h);""")],
 }
 
