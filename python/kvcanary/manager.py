@@ -149,7 +149,9 @@ class CanaryManager:
         if kind is ForwardKind.CAPTURE or self.perturber.enabled or not isinstance(tokens, torch.Tensor):
             return False
         bs, nt, tt = len(batch.req_pool_indices_host), tokens.shape[0], batch.true_tokens
-        if bs > cfg.req_capacity or nt > cfg.token_capacity or (tt is not None and len(tt) != bs):
+        # nt > bs: some row brings several tokens (a prefill chunk, a speculative round), which begin_decode declines
+        # for a live row; known before any check (a dead row of several tokens also goes the general way: same results)
+        if nt > bs or bs > cfg.req_capacity or nt > cfg.token_capacity or (tt is not None and len(tt) != bs):
             return False
         batch.check_table(self.pool, self.device, self._table)
         table = batch.req_to_token
