@@ -7,11 +7,12 @@ import statistics
 import sys
 
 import torch
-from bench.bench_gpu import CHECKS, Scenario, State, events_us
 from kvcanary.ops.plan import plan_forward
 from kvcanary.ops.verify import verify
 from kvcanary.ops.write import write
 from kvcanary_schema import Stage
+
+from bench.bench_gpu import CHECKS, Scenario, State, events_us
 
 
 def ops(st: State) -> dict[str, object]:

@@ -11,60 +11,62 @@ import tvm_ffi.cpp
 from kvcanary import _native
 
 EMPTY = ("await_prior_kernels();", "await_prior_kernels(); if (threadIdx.x < 100000) return;")
+W, V, P, CW = "cuda/write.cu", "cuda/verify.cu", "cuda/plan.cu", "core/write.cuh"
+V_SUM = "  block_sum_to_thread0<kVerifyThreads, 3>(counts, s_reduce);\n  if (threadIdx.x == 0) {"
+V_COUNTS = "    for (int64_t h = 0; h < halves; ++h) {\n      count(P.sink, P.tags[h], CounterCol::ENTRIES_CHECKED"
+V_RUNS = "      if (blockIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);"
+V_RUNS_0 = "      if (blockIdx.x == 0 && threadIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);"
+W_RUNS = "count(a.sink, a.tags[h], CounterCol::WRITE_RUNS, 1);"
+W_FLUSH = "        for (int64_t h = 0; h < a.halves; ++h) write_tally_flush(a, h, tally[h]);"
+W_SERIAL = "write_segment_serial("
+SEEDS = ("  WriteSeed seeds[MAX_HALVES];\n  for (int h = 0; h < MAX_HALVES; ++h) seeds[h] = h < a.halves ? "
+         "write_seed_value(a, row, h) : WriteSeed{false, 0, 0};")
+PLAN_PREFETCH = "\n      if (a.expect_prefix != nullptr) prefetch_l1"
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "base": [],
-    "w_empty": [("cuda/write.cu", *EMPTY)],
-    "v_empty": [("cuda/verify.cu", *EMPTY)],
-    "all_empty": [("cuda/write.cu", *EMPTY), ("cuda/verify.cu", *EMPTY), ("cuda/plan.cu", *EMPTY)],
+    "w_empty": [(W, *EMPTY)],
+    "v_empty": [(V, *EMPTY)],
+    "all_empty": [(W, *EMPTY), (V, *EMPTY), (P, *EMPTY)],
     # the serial segment loop skipped (the range checks, sums and counter flush kept)
-    "w_noserial": [("cuda/write.cu", "if (serial && len > 0) write_segment_serial(", "if (serial && len < 0) write_segment_serial(")],
+    "w_noserial": [(W, f"if (serial && len > 0) {W_SERIAL}", f"if (serial && len < 0) {W_SERIAL}")],
     # the kernel ends after the serial path (no block sum, no counter flush)
-    "w_noflush": [("cuda/write.cu", "  int64_t counts[3 * MAX_HALVES] = {tally[0].written",
+    "w_noflush": [(W, "  int64_t counts[3 * MAX_HALVES] = {tally[0].written",
                    "  if (serial) return;\n  int64_t counts[3 * MAX_HALVES] = {tally[0].written")],
-    "w_noprefetch": [("cuda/write.cu", "  own.prefetch(a);\n", "")],
-    "w_noblock0": [("cuda/write.cu", "  if (blockIdx.x == 0) {\n    for (int64_t s = threadIdx.x; s < nseg;",
+    "w_noprefetch": [(W, "  own.prefetch(a);\n", "")],
+    "w_noblock0": [(W, "  if (blockIdx.x == 0) {\n    for (int64_t s = threadIdx.x; s < nseg;",
                     "  if (blockIdx.x == 1000) {\n    for (int64_t s = threadIdx.x; s < nseg;")],
     # no counter atomics at the end (the block sum kept)
-    "w_nocount": [("cuda/write.cu", "      write_tally_flush(a, h, WriteTally{counts[3 * h]", "      if (h < 0) write_tally_flush(a, h, WriteTally{counts[3 * h]")],
+    "w_nocount": [(W, "      write_tally_flush(a, h, WriteTally{counts[3 * h]",
+                   "      if (h < 0) write_tally_flush(a, h, WriteTally{counts[3 * h]")],
     # no block sum: each thread flushes its own tally (one atomic per nonzero count per thread)
-    "w_nosum": [("cuda/write.cu", "  block_sum_to_thread0<kWriteThreads, 3 * MAX_HALVES>(counts, s_reduce);\n  if (threadIdx.x == 0) {",
-                 "  {")],
+    "w_nosum": [(W, "  block_sum_to_thread0<kWriteThreads, 3 * MAX_HALVES>(counts, s_reduce);\n"
+                    "  if (threadIdx.x == 0) {", "  {")],
     # the record store skipped
-    "w_nostore": [("core/write.cuh", "  write_record(a, e.slot, half) = CanaryRecord{", "  if (e.slot < -5) write_record(a, e.slot, half) = CanaryRecord{")],
+    "w_nostore": [(CW, "  write_record(a, e.slot, half) = CanaryRecord{",
+                   "  if (e.slot < -5) write_record(a, e.slot, half) = CanaryRecord{")],
     # the seed record never read (every seed a chain head)
-    "w_noseed": [("core/write.cuh", "  if (plan_flag(row, PlanFlag::SEED_IS_HEAD)) return WriteSeed{true, chain_h0(), -1};",
+    "w_noseed": [(CW, "  if (plan_flag(row, PlanFlag::SEED_IS_HEAD)) return WriteSeed{true, chain_h0(), -1};",
                   "  if (true) return WriteSeed{true, chain_h0(), -1};")],
     # the verify's closing counts skipped (its block sum kept)
-    "v_nocount": [("cuda/verify.cu", "  if (threadIdx.x == 0) {\n    for (int64_t h = 0; h < halves; ++h) {\n      count(P.sink, P.tags[h], CounterCol::ENTRIES_CHECKED",
-                   "  if (threadIdx.x == 100000) {\n    for (int64_t h = 0; h < halves; ++h) {\n      count(P.sink, P.tags[h], CounterCol::ENTRIES_CHECKED")],
+    "v_nocount": [(V, f"  if (threadIdx.x == 0) {{\n{V_COUNTS}", f"  if (threadIdx.x == 100000) {{\n{V_COUNTS}")],
     # the verify's counts summed per warp and flushed by each warp's lane 0 (no block-wide sum)
-    "v_warpflush": [("cuda/verify.cu", "  block_sum_to_thread0<kVerifyThreads, 3>(counts, s_reduce);\n  if (threadIdx.x == 0) {",
-                     "  for (int k = 0; k < 3; ++k) counts[k] = warp_sum_i64(counts[k]);\n  if (threadIdx.x % kWarp == 0) {"),
-                    ("cuda/verify.cu", "      if (blockIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);",
-                     "      if (blockIdx.x == 0 && threadIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);")],
+    "v_warpflush": [(V, V_SUM, "  for (int k = 0; k < 3; ++k) counts[k] = warp_sum_i64(counts[k]);\n"
+                               "  if (threadIdx.x % kWarp == 0) {"), (V, V_RUNS, V_RUNS_0)],
     # the verify's counts flushed by every thread (no sums; a measurement only: a large grid would issue one atomic per
     # thread)
-    "v_ownflush": [("cuda/verify.cu", "  block_sum_to_thread0<kVerifyThreads, 3>(counts, s_reduce);\n  if (threadIdx.x == 0) {",
-                    "  {"),
-                   ("cuda/verify.cu", "      if (blockIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);",
-                    "      if (blockIdx.x == 0 && threadIdx.x == 0) count(P.sink, P.tags[h], CounterCol::VERIFY_RUNS, 1);")],
+    "v_ownflush": [(V, V_SUM, "  {"), (V, V_RUNS, V_RUNS_0)],
     # the write's WRITE_RUNS count at the end (thread 0's flush) instead of block 0's start (decode path only)
-    "w_runs_last": [("cuda/write.cu", "      for (int64_t h = 0; h < a.halves; ++h) count(a.sink, a.tags[h], CounterCol::WRITE_RUNS, 1);\n",
-                     ""),
-                    ("cuda/write.cu", "        for (int64_t h = 0; h < a.halves; ++h) write_tally_flush(a, h, tally[h]);",
-                     "        for (int64_t h = 0; h < a.halves; ++h) write_tally_flush(a, h, tally[h]);\n"
-                     "        if (threadIdx.x == 0) for (int64_t h = 0; h < a.halves; ++h) count(a.sink, a.tags[h], CounterCol::WRITE_RUNS, 1);")],
+    "w_runs_last": [(W, f"      for (int64_t h = 0; h < a.halves; ++h) {W_RUNS}\n", ""),
+                    (W, W_FLUSH, f"{W_FLUSH}\n        if (threadIdx.x == 0) for (int64_t h = 0; h < a.halves; ++h) "
+                                 f"{W_RUNS}")],
     # the verify's next-entry prefetch skipped
-    "v_nonext": [("cuda/verify.cu", "    if (nseg <= kSmemSegments) {", "    if (nseg < 0) {")],
+    "v_nonext": [(V, "    if (nseg <= kSmemSegments) {", "    if (nseg < 0) {")],
     # the plan's L1 prefetches skipped
-    "p_noprefetch": [("cuda/plan.cu", "    if (in) {\n      if (a.expect_prefix != nullptr) prefetch_l1", "    if (in && a.bs < 0) {\n      if (a.expect_prefix != nullptr) prefetch_l1")],
+    "p_noprefetch": [(P, f"    if (in) {{{PLAN_PREFETCH}", f"    if (in && a.bs < 0) {{{PLAN_PREFETCH}")],
     # the serial write's halves one at a time (each half's seed read after the previous half's stores), as before
     # 54788c3
-    "w_kv_seq": [("core/write.cuh", """  WriteSeed seeds[MAX_HALVES];
-  for (int h = 0; h < MAX_HALVES; ++h) seeds[h] = h < a.halves ? write_seed_value(a, row, h) : WriteSeed{false, 0, 0};""",
-                  ""),
-                 ("core/write.cuh", """    const WriteSeed seed = h == 0 ? seeds[0] : seeds[1];""",
-                  """    const WriteSeed seed = write_seed_value(a, row, h);""")],
+    "w_kv_seq": [(CW, SEEDS, ""), (CW, "    const WriteSeed seed = h == 0 ? seeds[0] : seeds[1];",
+                                   "    const WriteSeed seed = write_seed_value(a, row, h);")],
 }
 
 
