@@ -201,7 +201,7 @@ class CanaryManager:
             # eager: the reuse check only when a request is new; captured graphs always hold it (a replay may carry
             # a new request, e.g. disaggregated decode)
             self._reuse = capture or (self.upload.any_new and self.program.has_reuse)
-            self._ops = (stages.pre[self._reuse], stages.post_graph if capture else stages.post[self._reuse])
+            self._ops = (stages["pre", self._reuse], stages["graph", True] if capture else stages["post", self._reuse])
 
     def _report_due(self) -> None:
         """Before a forward: stage a window whose violation rows have arrived (CUDA: rows of an earlier forward whose

@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import cast
+from typing import Literal, TypeVar, cast
 
 import torch
 from kvcanary_schema import NUM_LAUNCH_TAGS, Half, LaunchTag, Stage, TokenTruth, WriteCheck
@@ -15,6 +14,7 @@ from kvcanary_schema import NUM_LAUNCH_TAGS, Half, LaunchTag, Stage, TokenTruth,
 from kvcanary import _native
 from kvcanary.adapter import PoolDescription
 from kvcanary.config import CanaryConfig
+from kvcanary.errors import KVCanaryInternalError
 from kvcanary.ops.bookkeep import bind_bookkeep
 from kvcanary.ops.bound import BoundOp
 from kvcanary.ops.plan import bind_plan_forward
@@ -24,6 +24,8 @@ from kvcanary.state import CanaryState, GroupState
 
 Op = Callable[[torch.Tensor], None]  # one step of a stage: takes the forward's slot table
 Shape = tuple[int, int]  # (batch size, new tokens)
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def bucket(n: int, capacity: int) -> int:
@@ -31,15 +33,23 @@ def bucket(n: int, capacity: int) -> int:
     return max(n, min(1 << (n - 1).bit_length(), capacity)) if n > 1 else n
 
 
-@dataclass(frozen=True)
-class Stages:
-    """The ops of one batch shape: ``pre[reuse]`` and ``post[reuse]`` (reuse: the reuse check runs);
-    ``post_graph``: the post stage for CUDA graph capture (the reuse check always in), with the seal on a graph branch
-    beside the TAIL write and the reuse check."""
+class Lazy(dict[K, V]):
+    """A dict whose missing entries are built on first access by ``build(key)`` and kept."""
 
-    pre: tuple[tuple[Op, ...], tuple[Op, ...]]
-    post: tuple[tuple[Op, ...], tuple[Op, ...]]
-    post_graph: tuple[Op, ...]
+    def __init__(self, build: Callable[[K], V]) -> None:
+        super().__init__()
+        self._build = build
+
+    def __missing__(self, key: K) -> V:
+        got = self[key] = self._build(key)
+        return got
+
+
+# The ops of one bound shape by stage variant, each fused on first use: ("pre", reuse), ("post", reuse) and
+# ("graph", True), the post stage for CUDA graph capture (the reuse check always in, the seal on a graph branch beside
+# the TAIL write and the reuse check). reuse: the reuse check runs.
+Variant = tuple[Literal["pre", "post", "graph"], bool]
+Stages = Lazy[Variant, tuple[Op, ...]]
 
 
 @contextmanager
@@ -113,8 +123,11 @@ class DeviceProgram:
         self._structural = int(WriteCheck.STRUCTURAL) if config.structural_check else 0
         self.has_reuse = any(g.reuse_plan is not None for g in state.groups)
         device = state.sink.count.device
-        # post_graph's branch (the seal beside the TAIL ops in a captured graph)
+        # the graph variant's branch (the seal beside the TAIL ops in a captured graph)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        self._ticks = (self._bind_tick(False), self._bind_tick(True))
+        # (group, plan rows, role) -> the verify ops every shape of those rows shares (a handful of row buckets)
+        self._verify_ops: dict[tuple[int, int, str], list[Op]] = {}
 
     def bound_shape(self, bs: int, nt: int) -> Shape:
         """The shape a (bs, nt) batch runs at: each rounded up to a power of two within the capacities, so that an
@@ -153,45 +166,47 @@ class DeviceProgram:
                 del self._cache[shape]
 
     def _bind(self, shape: Shape, table: torch.Tensor) -> Stages:
-        st = self.state
-        per_group = [self._group_ops(g, gi, shape, table) for gi, g in enumerate(st.groups)]
+        """The stages of ``shape``, each variant bound and fused on first use (an eager engine never binds the graph
+        variant, a shape no new request runs at never binds the reuse check)."""
+        groups = [self._group_roles(g, gi, shape, table) for gi, g in enumerate(self.state.groups)]
 
-        none = st.zeros[:0]
+        def role(*names: str, first: tuple[Op, ...] = (), then: tuple[Op, ...] = ()) -> tuple[Op, ...]:
+            return _fused([*first, *(op for g in groups for name in names for op in g[name]), *then], self.backend)
 
-        def tick(counters: torch.Tensor, post: bool = False) -> Op:  # pre: first (the step the kernels stamp their
-            # rows with); post: last, folding every group's plan status into the window's running maximum, and on
-            # CUDA mirroring the ring count for the host's alarm (Reporter.alarmed)
-            mirror = (st.sink.count, st.alarm) if post and st.device.type == "cuda" else (None, None)
-            fold = (st.window_status.view(-1), st.plan_status.view(-1)) if post else (none, none)
-            return bind_bookkeep(counters, *fold, self.backend, *mirror).frozen()
-
-        def pre(reuse: bool) -> tuple[Op, ...]:
-            ops: list[Op] = [tick(st.pre_tick)]
-            for g in per_group:
-                ops += (g["plan_reuse"] if reuse else g["plan"]) + g["head"]
-            return _fused(ops, self.backend)
-
-        def post(reuse: bool, side: torch.cuda.Stream | None = None) -> tuple[Op, ...]:
-            def role(*names: str, then: tuple[Op, ...] = ()) -> tuple[Op, ...]:
-                return _fused([*(op for g in per_group for name in names for op in g[name]), *then], self.backend)
-            reuse_verify, last = ("reuse_verify",) if reuse else (), (tick(st.post_tick, post=True),)
-            if side is None:  # eager: one stream
+        def variant(key: Variant) -> tuple[Op, ...]:
+            kind, reuse = key
+            if kind == "pre":
+                return role("plan_reuse" if reuse else "plan", "head", first=(self._ticks[0],))
+            reuse_verify, last = ("reuse_verify",) if reuse else (), (self._ticks[1],)
+            if kind == "post":  # eager: one stream
                 return role("seal", *reuse_verify, "tail_verify", "tail_write", then=last)
+            if self._side is None:
+                raise KVCanaryInternalError("the graph variant needs a CUDA device: an invariant of the bracket")
             # captured: the seal beside the TAIL write and the reuse check, after the TAIL verify, whose persistent
             # grid takes every SM (bench_gpu's branch variants: launched beside the TAIL verify, the seal's blocks
             # delayed some of its blocks; the reuse check on the seal's branch lengthened it)
-            return (*role("tail_verify"), *_forked(role("seal"), role("tail_write", *reuse_verify, then=last), side))
+            return (*role("tail_verify"), *_forked(role("seal"), role("tail_write", *reuse_verify, then=last),
+                                                   self._side))
+        return Lazy(variant)
 
-        return Stages((pre(False), pre(True)), (post(False), post(True)), post(True, self._side))
+    def _bind_tick(self, post: bool) -> Op:
+        """The bookkeeping op, bound once per program. pre: first (the step the kernels stamp their rows with);
+        post: last, folding every group's plan status into the window's running maximum, and on CUDA mirroring the
+        ring count for the host's alarm (Reporter.alarmed)."""
+        st = self.state
+        none = st.zeros[:0]
+        mirror = (st.sink.count, st.alarm) if post and st.device.type == "cuda" else (None, None)
+        fold = (st.window_status.view(-1), st.plan_status.view(-1)) if post else (none, none)
+        counters = st.post_tick if post else st.pre_tick
+        return bind_bookkeep(counters, *fold, self.backend, *mirror).frozen()
 
-    def _group_ops(self, g: GroupState, gi: int, shape: Shape, table: torch.Tensor) -> dict[str, list[Op]]:
-        """The ops of one group, by role (frozen native calls)."""
+    def _group_roles(self, g: GroupState, gi: int, shape: Shape, table: torch.Tensor) -> Lazy[str, list[Op]]:
+        """The ops of one group at ``shape`` by role, each bound on first use (frozen native calls)."""
         st, cfg, (bs, nt) = self.state, self.config, shape
         page, pad, b = self.pool.table_page, self.pool.padding_row, self.backend
         chain = cfg.token_truth == TokenTruth.CHAIN
         rpi, zeros = st.req_pool_indices[:bs], st.zeros[:bs]
-        rows = max(bs, 1)  # plans sized to the batch (a request plans at most one segment): the CUDA verify's grid
-        # comes from the plan's rows times the entries a segment may hold
+        rows = max(bs, 1)  # plans sized to the batch (a request plans at most one segment)
         fwd_plan = g.plan[:rows]
         # the forward plan's window (WINDOW coverage: the newest links; an SWA group: its window; else 0, every link)
         window = g.window if g.stripe_plan is None else cfg.window_links
@@ -205,16 +220,6 @@ class DeviceProgram:
                                      flag_mask=st.flag_mask[:bs] if truth else None, table_page=page,
                                      reuse=reuse, backend=b).frozen()
 
-        def verifies(stage: Stage) -> list[Op]:
-            fp = g.fingerprint if stage == Stage.TAIL else None
-            # (plan, status, its window: the most entries a segment holds, 0 = a whole prefix)
-            plans = [(fwd_plan, g.status, window)] + (
-                [(g.stripe_plan[:rows], g.stripe_status, cfg.stripe_size)]
-                if g.stripe_plan is not None and g.stripe_status is not None else [])
-            return [bind_verify(g.views(stage), stage, p, s, table, st.sink, token_pool=st.token_pool,
-                                fingerprint=fp, table_page=page, max_segment_entries=w, backend=b).frozen()
-                    for p, s, w in plans]
-
         def write(stage: Stage) -> Op:
             checks = self._checks | (self._structural if stage == Stage.HEAD and gi == 0 else 0)
             return bind_write(g.views(stage), stage, fwd_plan, g.status, table, st.input_ids[:nt], st.positions[:nt],
@@ -222,23 +227,55 @@ class DeviceProgram:
                               fingerprint=g.fingerprint if stage == Stage.TAIL else g.seal, table_page=page,
                               workspace=g.write_workspaces[stage == Stage.TAIL], backend=b).frozen()
 
-        ops: dict[str, list[Op]] = {
-            "plan": [plan(fwd_plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain)],
-            "reuse_verify": [], "seal": [write(Stage.HEAD)] if g.seal is not None else [],
-            "tail_verify": verifies(Stage.TAIL), "tail_write": [write(Stage.TAIL)]}
-        ops["plan_reuse"] = list(ops["plan"])
-        if g.reuse_plan is not None and g.reuse_status is not None:  # [0, reuse_end): the whole reused prefix, planned
-            # in the main plan's launch
-            ops["plan_reuse"] = [plan(fwd_plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain,
-                                      (g.reuse_plan[:rows], g.reuse_status, st.reuse_end[:bs]))]
-            ops["reuse_verify"] = [bind_verify(g.head, Stage.TAIL, g.reuse_plan[:rows], g.reuse_status, table, st.sink,
-                                               fingerprint=g.seal, table_page=page, backend=b).frozen()]
-        if g.stripe_plan is not None and g.stripe_status is not None:
-            stripe = plan(g.stripe_plan[:rows], g.stripe_status, st.stripe_end[:bs], zeros, cfg.stripe_size)
-            ops["plan"].append(stripe)
-            ops["plan_reuse"].append(stripe)
-        ops["head"] = [*verifies(Stage.HEAD), *([write(Stage.HEAD)] if g.seal is None else [])]
-        return ops
+        def stripe() -> list[Op]:
+            if g.stripe_plan is None or g.stripe_status is None:
+                return []
+            return [plan(g.stripe_plan[:rows], g.stripe_status, st.stripe_end[:bs], zeros, cfg.stripe_size)]
+
+        def build(name: str) -> list[Op]:
+            if name == "plan":
+                return [plan(fwd_plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain), *stripe()]
+            if name == "plan_reuse":  # [0, reuse_end): the whole reused prefix, planned in the main plan's launch
+                if g.reuse_plan is None or g.reuse_status is None:
+                    return roles["plan"]
+                return [plan(fwd_plan, g.status, st.prefix_lens[:bs], st.extend_lens[:bs], window, chain,
+                             (g.reuse_plan[:rows], g.reuse_status, st.reuse_end[:bs])), *stripe()]
+            if name == "seal":
+                return [write(Stage.HEAD)] if g.seal is not None else []
+            if name == "tail_write":
+                return [write(Stage.TAIL)]
+            if name == "head":
+                return [*self._verifies(gi, rows, name, table), *([write(Stage.HEAD)] if g.seal is None else [])]
+            return self._verifies(gi, rows, name, table)  # tail_verify, reuse_verify
+        roles: Lazy[str, list[Op]] = Lazy(build)
+        return roles
+
+    def _verifies(self, gi: int, rows: int, role: str, table: torch.Tensor) -> list[Op]:
+        """The verify ops of group ``gi``'s ``role`` (head, tail_verify, reuse_verify) for batches of ``rows`` plan
+        rows: they depend on nothing else of the shape, so every shape of those rows shares them."""
+        key = (gi, rows, role)
+        got = self._verify_ops.get(key)
+        if got is None:
+            got = self._verify_ops[key] = self._bind_verifies(self.state.groups[gi], rows, role, table)
+        return got
+
+    def _bind_verifies(self, g: GroupState, rows: int, role: str, table: torch.Tensor) -> list[Op]:
+        st, cfg, page, b = self.state, self.config, self.pool.table_page, self.backend
+        if role == "reuse_verify":
+            if g.reuse_plan is None or g.reuse_status is None:
+                return []
+            return [bind_verify(g.head, Stage.TAIL, g.reuse_plan[:rows], g.reuse_status, table, st.sink,
+                                fingerprint=g.seal, table_page=page, backend=b).frozen()]
+        stage = Stage.HEAD if role == "head" else Stage.TAIL
+        fp = g.fingerprint if stage == Stage.TAIL else None
+        window = g.window if g.stripe_plan is None else cfg.window_links
+        # (plan, status, its window: the most entries a segment holds, 0 = a whole prefix); the CUDA verify's grid
+        # comes from the plan's rows times that
+        plans = [(g.plan[:rows], g.status, window)] + (
+            [(g.stripe_plan[:rows], g.stripe_status, cfg.stripe_size)]
+            if g.stripe_plan is not None and g.stripe_status is not None else [])
+        return [bind_verify(g.views(stage), stage, p, s, table, st.sink, token_pool=st.token_pool, fingerprint=fp,
+                            table_page=page, max_segment_entries=w, backend=b).frozen() for p, s, w in plans]
 
     def launches(self, reuse: bool) -> torch.Tensor:
         """[NUM_LAUNCH_TAGS, 2]: (verify, write) launches one forward makes per tag (with or without the reuse

@@ -33,7 +33,8 @@ def _skip_tail_verify_once(monkeypatch: pytest.MonkeyPatch, m: CanaryManager) ->
             op(table)
         return BoundOp(run_once_skipped, (), ())
     monkeypatch.setattr(program_mod, "bind_verify", flaky)
-    m.program._cache.clear()  # rebind every shape with the flaky verify (the last shape's stages included)
+    m.program._cache.clear()  # rebind every shape with the flaky verify (the last shape's stages included, and the
+    m.program._verify_ops.clear()  # verifies the shapes share)
     m.program._last_stages = None
 
 
