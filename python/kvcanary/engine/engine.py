@@ -14,7 +14,7 @@ from .faults import IDLE_VICTIM, FaultConfig, FaultInjector
 from .hooks import EngineHooks, NullHooks
 from .model import ModelConfig, TinyTransformer
 from .pool import KVPool, PoolView, ReqToTokenPool, SlotAllocator, SwaMap
-from .radix import CachedChains, MatchResult, RadixCache
+from .radix import CachedChains, MatchResult, RadixCache, packed
 from .scheduler import ReqState, Request, Scheduler, sample_token
 
 
@@ -209,37 +209,38 @@ class Engine:
     def resident_chains(self) -> CachedChains:
         """:meth:`cached_chains` plus, per running request, its KV not in the prefix cache (positions
         ``[cached_len, kv_len)`` of its slot-table row, held by it), so a sweep reaches every slot a request holds."""
-        base = self.cached_chains()
         tails = [s for s in self.scheduler.running if s.row >= 0 and s.kv_len > s.cached_len]
         if not tails:
-            return base
+            return self.cached_chains()
+        base = (self.radix or RadixCache(self.config.page_size)).export_host()
         table = self.req_to_token.table
-        rows, first, end = (np.fromiter(v, np.int64, len(tails)) for v in
+        t = len(tails)
+        rows, first, end = (np.fromiter(v, np.int64, t) for v in
                             ((s.row for s in tails), (s.cached_len for s in tails), (s.kv_len for s in tails)))
         if int(end.max()) > table.shape[1]:
             raise EngineError(f"a running request's kv_len exceeds the slot table's {table.shape[1]} columns")
         lens = end - first
-        total, t = int(lens.sum()), len(tails)
-        ends = np.cumsum(lens)
+        total, m, c = int(lens.sum()), base.slots.size, base.chain_lens.size
+        starts = m + np.cumsum(lens) - lens
         cols = table.shape[1]
-        # one host buffer, one copy, one gather (no sync; only kernels the engine itself runs): the flat table
-        # indices of the tails' slots and of each tail's previous slot, then per tail its start, length, first
-        # position, whether it has a previous slot (1/0) and that minus 1 (prev = gathered * has + (has - 1))
-        host = torch.empty(total + 6 * t, dtype=torch.int64, pin_memory=table.is_cuda)
-        h = host.numpy()
-        h[:total] = np.repeat(rows * cols + first - (ends - lens), lens) + np.arange(total)
         has = (first > 0).astype(np.int64)
-        h[total:] = np.concatenate([rows * cols + np.maximum(first - 1, 0), base.slots.numel() + ends - lens, lens,
-                                    first, has, has - 1])
-        dev = host.to(table.device, non_blocking=True)
-        gathered = table.view(-1)[dev[:total + t]]
-        starts, lens_d, first_d, has_d, has_m1 = dev[total + t:].view(5, t)
-        return CachedChains(
-            torch.cat([base.slots, gathered[:total]]), torch.cat([base.chain_starts, starts]),
-            torch.cat([base.chain_lens, lens_d]), torch.cat([base.first_positions, first_d]),
-            torch.cat([base.prev_slots, gathered[total:] * has_d + has_m1]),
-            torch.cat([base.unlocked, torch.zeros(t, dtype=torch.bool, device=table.device)]),
-            base.holders + tuple((s.rid,) for s in tails))
+        # one host buffer, one copy, two gathers and one multiply-add (no sync; only kernels the engine itself runs):
+        # the cache's chains, the tails' (their slots and previous slots zero), then the flat table indices of the
+        # tails' slots and of each tail's previous slot, whether it has one (1/0) and that minus 1; a tail's previous
+        # slot is gathered * has + (has - 1)
+        sizes = [m + total, c + t, c + t, c + t, c + t, total + t, t, t]
+        ints, unlocked = packed(
+            (base.slots, np.zeros(total, np.int64), base.chain_starts, starts, base.chain_lens, lens,
+             base.first_positions, first, base.prev_slots, np.zeros(t, np.int64),
+             np.repeat(rows * cols + first - (starts - m), lens) + np.arange(total),
+             rows * cols + np.maximum(first - 1, 0), has, has - 1),
+            np.concatenate([base.unlocked, np.zeros(t, bool)]), table.device)
+        slots, chain_starts, chain_lens, first_positions, prev, index, has_d, has_m1 = torch.split(ints, sizes)
+        flat = table.view(-1)
+        torch.index_select(flat, 0, index[:total], out=slots[m:])
+        torch.addcmul(has_m1, flat.index_select(0, index[total:]), has_d, out=prev[c:])
+        return CachedChains(slots, chain_starts, chain_lens, first_positions, prev, unlocked,
+                            base.holders + tuple((s.rid,) for s in tails))
 
     def pool_view(self, kind: PoolKind = PoolKind.TARGET) -> PoolView:
         """Description of the target or draft pool for an integrity checker."""

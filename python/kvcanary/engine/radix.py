@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import ConfigError
@@ -63,6 +64,38 @@ class CachedChains:
         return int(self.chain_lens.numel())
 
 
+@dataclass(frozen=True)
+class HostChains:
+    """:class:`CachedChains` on the host: numpy int64 fields, ``unlocked`` bool."""
+
+    slots: np.ndarray
+    chain_starts: np.ndarray
+    chain_lens: np.ndarray
+    first_positions: np.ndarray
+    prev_slots: np.ndarray
+    unlocked: np.ndarray
+    holders: tuple[tuple[str, ...], ...] = ()
+
+    def to(self, device: torch.device) -> CachedChains:
+        """The chains on ``device``, in one copy."""
+        fields = (self.slots, self.chain_starts, self.chain_lens, self.first_positions, self.prev_slots)
+        ints, unlocked = packed(fields, self.unlocked, device)
+        slots, starts, lens, first, prev = torch.split(ints, [f.size for f in fields])
+        return CachedChains(slots, starts, lens, first, prev, unlocked, self.holders)
+
+
+def packed(parts: Sequence[np.ndarray], flags: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int64 ``parts`` (concatenated) and the bool ``flags`` on ``device`` in one copy without a sync: one host
+    buffer (pinned for CUDA) holds both. Only plain copies: no kernel the engine does not load anyway."""
+    n = sum(p.size for p in parts)
+    host = torch.empty(8 * n + flags.size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    h = host.numpy()
+    np.concatenate(parts, out=h[:8 * n].view(np.int64))
+    h[8 * n:] = flags
+    on = host.to(device, non_blocking=True)
+    return on[:8 * n].view(torch.int64), on[8 * n:].view(torch.bool)
+
+
 class RadixCache:
     """Page-aligned radix tree; locked nodes are never evicted; `on_evict` receives evicted slots."""
 
@@ -78,6 +111,7 @@ class RadixCache:
         # bumped by every change an export shows (structure, slots, locks, holders): the export is rebuilt only then
         self.version = 0
         self._exported: tuple[int, torch.device, CachedChains] | None = None
+        self._host: tuple[int, HostChains] | None = None
 
     def _child_key(self, key: tuple[int, ...]) -> tuple[int, ...]:
         return key[:self.page_size]
@@ -244,31 +278,30 @@ class RadixCache:
         """Drop every unlocked node (flush); locked paths stay."""
         self.evict(self.total_slots())
 
+    def export_host(self) -> HostChains:
+        """Every cached node as one chain, on the host: node slots concatenated, with start, length, first position
+        and prev slot. The same object while the tree is unchanged."""
+        if self._host is not None and self._host[0] == self.version:
+            return self._host[1]
+        nodes = list(self.nodes())
+        n = len(nodes)
+        lens = np.fromiter((nd.value.numel() for nd in nodes), np.int64, n)
+        chains = HostChains(
+            torch.cat([nd.value for nd in nodes]).numpy() if nodes else np.empty(0, np.int64), np.cumsum(lens) - lens,
+            lens, np.fromiter((nd.start for nd in nodes), np.int64, n),
+            np.fromiter((int(nd.parent.value[-1]) if nd.parent is not None and nd.parent is not self.root else -1
+                         for nd in nodes), np.int64, n),
+            np.fromiter((nd.lock_ref == 0 for nd in nodes), bool, n), tuple(nd.holders for nd in nodes))
+        self._host = (self.version, chains)
+        return chains
+
     def export_chains(self, device: torch.device | str = "cpu") -> CachedChains:
-        """Vectorized export: node slots concatenated, with start, length, first position, prev slot. The same
-        object while the tree is unchanged (a sweep derives what it needs once per export object)."""
+        """:meth:`export_host` on ``device`` (one copy). The same object while the tree is unchanged (a sweep derives
+        what it needs once per export object)."""
         device = torch.device(device)
         if self._exported is not None and self._exported[:2] == (self.version, device):
             return self._exported[2]
-        nodes = list(self.nodes())
-        n = len(nodes)
-        slots = torch.cat([nd.value for nd in nodes]) if nodes else _EMPTY
-        # everything computed on the host and copied at once (plain copies, no kernel the engine does not load
-        # anyway): rows lens, starts, first positions, prev slots, then the slots; the unlocked flags beside
-        pin = device.type == "cuda"
-        meta = torch.empty(4 * n + slots.numel(), dtype=torch.int64, pin_memory=pin)
-        lens = torch.tensor([nd.value.numel() for nd in nodes], dtype=torch.int64)
-        meta[:n] = lens
-        meta[n:2 * n] = torch.cumsum(lens, 0) - lens
-        meta[2 * n:3 * n] = torch.tensor([nd.start for nd in nodes], dtype=torch.int64)
-        meta[3 * n:4 * n] = torch.tensor([int(nd.parent.value[-1]) if nd.parent is not None and
-                                          nd.parent is not self.root else -1 for nd in nodes], dtype=torch.int64)
-        meta[4 * n:] = slots
-        unlocked = torch.empty(n, dtype=torch.bool, pin_memory=pin)
-        unlocked[:] = torch.tensor([nd.lock_ref == 0 for nd in nodes], dtype=torch.bool)
-        on = meta.to(device, non_blocking=True)
-        chains = CachedChains(on[4 * n:], on[n:2 * n], on[:n], on[2 * n:3 * n], on[3 * n:4 * n],
-                              unlocked.to(device, non_blocking=True), tuple(nd.holders for nd in nodes))
+        chains = self.export_host().to(device)
         self._exported = (self.version, device, chains)
         return chains
 
