@@ -160,7 +160,8 @@ def test_device_step_and_phase_track_host() -> None:
     assert torch.equal(m.state.sink.count, torch.zeros(1, dtype=torch.int64))
 
 
-def test_invalidate_makes_a_freed_slot_fail_its_next_read() -> None:
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])  # int64: filtered on the host; int32: on the device
+def test_invalidate_makes_a_freed_slot_fail_its_next_read(dtype: torch.dtype) -> None:
     eng, m = setup(n_reqs=2)
     assert total(run(eng, m, 2)) == 0
     r1 = eng.reqs["r1"]
@@ -168,7 +169,7 @@ def test_invalidate_makes_a_freed_slot_fail_its_next_read() -> None:
     g = m.state.groups[0]
     before = [g.head.records.clone(), g.tail.records.clone()]
     n = g.spec.num_slots
-    m.invalidate(torch.tensor([0, slot, -3, n, n + 7]))  # slot 0 is reserved, the others outside the pool: left alone
+    m.invalidate(torch.tensor([0, slot, -3, n, n + 7], dtype=dtype))  # slot 0 is reserved, the others outside the pool: left alone
     for records, was in zip((g.head.records, g.tail.records), before, strict=True):  # both buffers
         changed = (records != was).any(dim=(1, 2)).nonzero().flatten().tolist()
         assert changed == [slot] and int(records[slot, 0, RecordField.POSITION]) == NO_SLOT
