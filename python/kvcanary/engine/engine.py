@@ -224,10 +224,10 @@ class Engine:
         starts = m + np.cumsum(lens) - lens
         cols = table.shape[1]
         has = (first > 0).astype(np.int64)
-        # one host buffer, one copy, two gathers and one multiply-add (no sync; only kernels the engine itself runs):
-        # the cache's chains, the tails' (their slots and previous slots zero), then the flat table indices of the
-        # tails' slots and of each tail's previous slot, whether it has one (1/0) and that minus 1; a tail's previous
-        # slot is gathered * has + (has - 1)
+        # one host buffer, one copy, one gather (no sync; only kernels the engine itself runs, a kernel's first launch
+        # in a process costing milliseconds): the cache's chains, the tails' (their slots and previous slots zero),
+        # then the flat table indices of the tails' slots and of each tail's previous slot, whether it has one (1/0)
+        # and that minus 1; a tail's previous slot is gathered * has + (has - 1)
         sizes = [m + total, c + t, c + t, c + t, c + t, total + t, t, t]
         ints, unlocked = packed(
             (base.slots, np.zeros(total, np.int64), base.chain_starts, starts, base.chain_lens, lens,
@@ -236,9 +236,9 @@ class Engine:
              rows * cols + np.maximum(first - 1, 0), has, has - 1),
             np.concatenate([base.unlocked, np.zeros(t, bool)]), table.device)
         slots, chain_starts, chain_lens, first_positions, prev, index, has_d, has_m1 = torch.split(ints, sizes)
-        flat = table.view(-1)
-        torch.index_select(flat, 0, index[:total], out=slots[m:])
-        torch.addcmul(has_m1, flat.index_select(0, index[total:]), has_d, out=prev[c:])
+        gathered = table.view(-1)[index]
+        slots[m:] = gathered[:total]
+        torch.mul(gathered[total:], has_d, out=prev[c:]).add_(has_m1)
         return CachedChains(slots, chain_starts, chain_lens, first_positions, prev, unlocked,
                             base.holders + tuple((s.rid,) for s in tails))
 
@@ -282,7 +282,7 @@ class Engine:
             self.allocator.force_free(pages)
         else:
             self.allocator.free(pages, front)
-        self.hooks.on_free(slots.to(self.device))
+        self.hooks.on_free(slots)
 
     def _on_evict(self, slots: torch.Tensor) -> None:
         self.stats.evicted_slots += int(slots.numel())
