@@ -25,7 +25,8 @@ class Case:
     """One call's arguments; every buffer filled with a marker so that writes show."""
 
     def __init__(self, rows: list[int], pre: list[int], ext: list[int], new: list[int], live: list[bool],
-                 h: list[int], n: list[int], offset: int = 0, nt: int | None = None) -> None:
+                 h: list[int], n: list[int], offset: int = 0, nt: int | None = None,
+                 reuse: list[int] | None = None) -> None:
         bs, nt = len(rows), sum(max(e, 0) for e in ext) if nt is None else nt
         self.src = [torch.tensor(v, dtype=torch.int64) for v in (rows, pre, ext)] + \
             [torch.arange(nt, dtype=torch.int64) + 100 * k for k in range(1, 4)]
@@ -37,10 +38,11 @@ class Case:
         self.h, self.n, self.offset, self.pads = np.array(h, np.uint64).view(np.int64), np.array(n, np.int64), offset, \
             (bs + 1, nt + 1)
         self.seen, self.prefix = np.full(len(h), -5, np.int64), np.full(len(h), -6, np.int64)
+        self.reuse = None if reuse is None else np.array(reuse, np.int64)
 
     def run(self, backend: str) -> int:
         return begin_decode(self.src, self.staging, *self.dst, *self.pads, 0, self.host, self.new, self.live, self.h,
-                            self.n, self.offset, self.seen, self.prefix, STEP, backend=backend)
+                            self.n, self.offset, self.seen, self.prefix, STEP, backend=backend, reuse=self.reuse)
 
     def state(self) -> list[list[int]]:
         return [t.tolist() for t in (self.staging, *self.dst)] + \
@@ -65,12 +67,27 @@ def test_hand_vector(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["extend 2", "rewound", "row out of range", "negative extend"])
+def test_hand_vector_segments_and_reuse_ends(backend: str) -> None:
+    """Rows of several new tokens (a prefill chunk, a speculative round), a live row of none, one with an unknown
+    token among known ones, and the reuse ends of new requests."""
+    h1 = H.chain_step_int(H.CHAIN_H0, 5, 0)  # row 1 after one token
+    c = Case(rows=[0, 1, 2, 3], pre=[0, 1, 2, 0], ext=[3, 2, 0, 2], new=[7, 8, 9, 4, 3, 11, -1],
+             live=[True, True, True, True], h=[H.CHAIN_H0, h1, 77, H.CHAIN_H0], n=[0, 1, 2, 0],
+             reuse=[0, 1, 0, 0])
+    assert c.run(backend) == 2  # row 2 brings no token, row 3 an unknown one
+    want0 = H.chain_step_int(H.chain_step_int(H.chain_step_int(H.CHAIN_H0, 7, 0), 8, 1), 9, 2)
+    want1 = H.chain_step_int(H.chain_step_int(h1, 4, 1), 3, 2)
+    assert c.staging[:, :4].tolist() == [[0, H.to_i64(h1), 77, 0], [H.to_i64(want0), H.to_i64(want1), 0, 0],
+                                         [-1, -1, NO_NEW, NO_NEW], [0, 0, 0, 0], [0, 1, 0, 0]]
+    assert c.h.view(np.uint64)[:2].tolist() == [want0, want1] and c.n.tolist() == [3, 3, 2, 0]
+    assert c.seen.tolist() == [STEP] * 4 and c.prefix.tolist() == [0, 1, 2, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["rewound", "row out of range", "negative extend"])
 def test_declines_write_nothing(backend: str, case: str) -> None:
     kw = dict(rows=[1, 2], pre=[3, 3], ext=[1, 1], new=[5, 6], live=[True, True], h=[1, 2, 3], n=[0, 3, 3])
-    if case == "extend 2":
-        kw.update(ext=[1, 2], new=[5, 6, 7])
-    elif case == "rewound":
+    if case == "rewound":
         kw.update(pre=[3, 2])
     elif case == "row out of range":
         kw.update(rows=[1, 3])
@@ -93,7 +110,7 @@ def test_bad_values_write_nothing(backend: str, bad: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bad", ["extend sum", "host length", "true_new length", "live length", "staging rows",
-                                 "row state length"])
+                                 "row state length", "reuse length"])
 def test_input_errors_raise_before_any_write(backend: str, bad: str) -> None:
     c = Case(rows=[1, 2], pre=[3, 3], ext=[1, 1], new=[5, 6], live=[True, True], h=[1, 2, 3], n=[0, 3, 3])
     if bad == "extend sum":
@@ -106,6 +123,8 @@ def test_input_errors_raise_before_any_write(backend: str, bad: str) -> None:
         c.live = c.live[:1]
     elif bad == "staging rows":
         c.staging = c.staging[:4]
+    elif bad == "reuse length":
+        c.reuse = np.zeros(3, np.int64)
     else:
         c.seen = c.seen[:2]
     before = c.state()
@@ -126,13 +145,12 @@ def test_torch_and_cpu_agree_and_match_the_numpy_truth(seed: int, offset: int) -
     rows = [rng.randrange(rows_n + (rng.random() < 0.05)) for _ in range(bs)]
     live = [rng.random() < 0.85 for _ in range(bs)]
     pre = [n[r] - offset if r < rows_n and rng.random() < 0.93 else rng.randint(0, 50) for r in rows]
-    ext = [1 if lv or rng.random() < 0.5 else rng.randint(0, 2) for lv in live]
-    if bs and rng.random() < 0.05:
-        ext[rng.randrange(bs)] = 2
-    new = [-1 if rng.random() < 0.1 else rng.randrange(TOKEN_LIMIT) for _ in range(sum(ext))]
+    ext = [1 if rng.random() < 0.6 else rng.randint(0, 4) for _ in live]
+    new = [-1 if rng.random() < 0.05 else rng.randrange(TOKEN_LIMIT) for _ in range(sum(ext))]
+    reuse = [rng.randint(0, 60) for _ in range(bs)] if rng.random() < 0.5 else None
     out = []
     for backend in BACKENDS:
-        c = Case(rows, pre, ext, new, live, h, n, offset)
+        c = Case(rows, pre, ext, new, live, h, n, offset, reuse=reuse)
         out.append((c.run(backend), c.state()))
     assert out[0] == out[1]
     got, state = out[0]
@@ -142,10 +160,11 @@ def test_torch_and_cpu_agree_and_match_the_numpy_truth(seed: int, offset: int) -
     chains.h[:], chains.n[:] = np.array(h, np.uint64), n
     idx = np.flatnonzero(np.array(live, bool))
     r, p, e = (np.array(v, np.int64)[idx] for v in (rows, pre, ext))
-    starts = (np.cumsum(ext) - np.array(ext))[idx] if bs else idx
-    truth = chains.forward(r, np.ones(idx.size, bool), p, e, np.array(new, np.int64)[starts] if idx.size else
-                           np.zeros(0, np.int64), None)
+    starts = np.cumsum([0, *ext])
+    mine = [new[starts[i]:starts[i + 1]] for i in idx.tolist()]  # the live rows' tokens, flat like input_ids
+    truth = chains.forward(r, np.ones(idx.size, bool), p, e, np.array([t for m in mine for t in m], np.int64), None)
     staging = np.array(state[0])
     assert staging[1, idx].tolist() == np.where(truth.new_known, truth.expect_new, 0).tolist()
     assert staging[0, idx].tolist() == np.where(p > 0, truth.expect_prefix, 0).tolist()
     assert got == int(np.count_nonzero(~truth.new_known))
+    assert staging[4, :bs].tolist() == (reuse or [0] * bs)

@@ -64,26 +64,41 @@ inline DecodeArgs check_decode_args(const TensorView& rows, const TensorView& pr
                     out, bs, h.size(0), tokens.size(0), offset, cap};
 }
 
-// kNotSteady (nothing written) unless every live row i has ext 1 and n[rows[i]] == pre[i] + offset (the row's state
-// is its request's: the runtime resets a row that changes hands);
-// kBadValue (nothing written) when a known token or a position is outside [0, TOKEN_LIMIT); else the count of live
-// rows whose new token is unknown, with out[:, :bs] filled and h/n advanced past the known tokens.
-inline int64_t decode_rows(const DecodeArgs& a) {
+// Row i's chain value after its ext[i] new tokens at tokens[begin...], from `h`; true (`h` advanced) when there is at
+// least one and every one is known, false (`h` unspecified) otherwise.
+inline bool fold_new(const DecodeArgs& a, int64_t i, int64_t begin, uint64_t& h) {
+  const int64_t e = a.ext[i];
+  for (int64_t j = 0; j < e; ++j) {
+    const int64_t tok = a.tokens[begin + j];
+    if (tok < 0) return false;
+    h = chain_step(h, tok, a.pre[i] + j);
+  }
+  return e > 0;
+}
+
+// kNotSteady (nothing written) unless every ext[i] >= 0 and every live row i continues its chain: a row inside [0, R),
+// its tokens inside `tokens`, n[rows[i]] == pre[i] + offset (the row's state is its request's: the runtime resets a
+// row that changes hands); kBadValue (nothing written) when a live row's new position or known token is outside
+// [0, TOKEN_LIMIT); else the count of live rows whose new tokens are not all known (or none), with out[:, :bs] filled
+// (`reuse`: the reuse ends, null: 0) and h/n advanced past the rows whose new tokens are all known.
+inline int64_t decode_rows(const DecodeArgs& a, const int64_t* reuse) {
   constexpr int64_t kKeepAll = -1;
   constexpr int64_t kNoNew = ~static_cast<int64_t>(PlanFlag::EXPECT_NEW);
   // Pass 1: steady, in range, every index inside its array (nothing is written before all rows pass).
   int64_t at = 0;
   for (int64_t i = 0; i < a.bs; ++i) {
-    if (a.ext[i] < 0) return kNotSteady;
-    const int64_t begin = at;
-    at += a.ext[i];
+    const int64_t begin = at, e = a.ext[i];
+    if (e < 0) return kNotSteady;
+    at += e;
     if (!a.live[i]) continue;
     const int64_t row = a.rows[i];
-    if (a.ext[i] != 1 || row < 0 || row >= a.num_rows || begin >= a.num_tokens ||
-        a.n[row] != a.pre[i] + a.offset) {
+    if (row < 0 || row >= a.num_rows || begin + e > a.num_tokens || a.n[row] != a.pre[i] + a.offset) {
       return kNotSteady;
     }
-    if (!chain_value_ok(a.pre[i]) || (a.tokens[begin] >= 0 && !chain_value_ok(a.tokens[begin]))) return kBadValue;
+    for (int64_t j = 0; j < e; ++j) {
+      const int64_t tok = a.tokens[begin + j];
+      if (!chain_value_ok(a.pre[i] + j) || (tok >= 0 && !chain_value_ok(tok))) return kBadValue;
+    }
   }
   // Pass 2: the staging rows, from the state before this forward (a row named twice reads its old value, as the
   // vectorized path's gathers do).
@@ -95,11 +110,10 @@ inline int64_t decode_rows(const DecodeArgs& a) {
     at += a.ext[i];
     int64_t expect_prefix = 0, expect_new = 0, mask = kKeepAll;
     if (a.live[i]) {
-      const uint64_t h0 = a.h[a.rows[i]];
-      const int64_t tok = a.tokens[begin];
-      expect_prefix = a.pre[i] > 0 ? static_cast<int64_t>(h0) : 0;
-      if (tok >= 0) {
-        expect_new = static_cast<int64_t>(chain_step(h0, tok, a.pre[i]));
+      uint64_t h = a.h[a.rows[i]];
+      expect_prefix = a.pre[i] > 0 ? static_cast<int64_t>(h) : 0;
+      if (fold_new(a, i, begin, h)) {
+        expect_new = static_cast<int64_t>(h);
       } else {
         mask = kNoNew;
         ++unknown;
@@ -109,16 +123,13 @@ inline int64_t decode_rows(const DecodeArgs& a) {
     o[a.cap + i] = expect_new;
     o[2 * a.cap + i] = mask;
     o[3 * a.cap + i] = 0;
-    o[4 * a.cap + i] = 0;
+    o[4 * a.cap + i] = reuse != nullptr ? reuse[i] : 0;
   }
-  // Pass 3: advance the rows past their known new token (the last of a repeated row wins, as in numpy).
-  at = 0;
+  // Pass 3: advance the rows past their known new tokens (the last of a repeated row wins, as in numpy).
   for (int64_t i = 0; i < a.bs; ++i) {
-    const int64_t begin = at;
-    at += a.ext[i];
-    if (a.live[i] && a.tokens[begin] >= 0) {
+    if (a.live[i] && o[2 * a.cap + i] == kKeepAll) {
       a.h[a.rows[i]] = static_cast<uint64_t>(o[a.cap + i]);
-      a.n[a.rows[i]] = a.pre[i] + a.offset + 1;
+      a.n[a.rows[i]] = a.pre[i] + a.ext[i] + a.offset;
     }
   }
   return unknown;
@@ -152,12 +163,7 @@ inline int64_t segment_rows(const DecodeArgs& a) {
       uint64_t h = a.h[a.rows[i]];
       prefix_known = a.pre[i] > 0 ? 1 : 0;
       expect_prefix = prefix_known ? static_cast<int64_t>(h) : 0;
-      bool known = e > 0;
-      for (int64_t j = 0; j < e && known; ++j) {
-        const int64_t tok = a.tokens[begin + j];
-        known = tok >= 0;
-        if (known) h = chain_step(h, tok, a.pre[i] + j);
-      }
+      const bool known = fold_new(a, i, begin, h);
       new_known = known ? 1 : 0;
       expect_new = known ? static_cast<int64_t>(h) : 0;
     }
@@ -175,31 +181,35 @@ inline int64_t segment_rows(const DecodeArgs& a) {
   return 0;
 }
 
-// begin_decode (8c): the batch facts' checks and the steady decode into the staging rows, then each live row's forward
-// `step` and prefix into seen/prefix (int64 [R]); the caller stages after a result >= 0. `ext` must not claim more new
+// begin_decode (8c): the batch facts' checks and the steady batch into the staging rows (`reuse`: int64 [bs] reuse ends,
+// or [0]: none), then each live row's forward `step` and prefix into seen/prefix (int64 [R]); the caller stages after a
+// result >= 0. `ext` must not claim more new
 // tokens than the batch has (an input error, as BatchView.validate says).
 inline int64_t begin_decode_host(const StageArgs& s, int64_t* staging, const TensorView& rows, const TensorView& pre,
                                  const TensorView& ext, const TensorView& tokens, const TensorView& live,
                                  const TensorView& h, const TensorView& n, int64_t offset, const TensorView& seen,
-                                 const TensorView& prefix, int64_t step) {
+                                 const TensorView& prefix, int64_t step, const TensorView& reuse) {
   TVM_FFI_CHECK(s.U == kStagingRows, ValueError) << "staging must have " << kStagingRows << " rows, got " << s.U;
   const DecodeArgs d = check_decode_args(rows, pre, ext, tokens, live, h, n, offset, staging, s.staging_cols);
   check_host_i64(seen, "seen");
   check_dim(seen, 0, d.num_rows, "seen");
   check_host_i64(prefix, "prefix");
   check_dim(prefix, 0, d.num_rows, "prefix");
+  check_host_i64(reuse, "reuse");
+  TVM_FFI_CHECK(reuse.size(0) == 0 || reuse.size(0) == d.bs, ValueError)
+      << "reuse must have 0 or " << d.bs << " entries, got " << reuse.size(0);
   TVM_FFI_CHECK(d.bs == s.bs, ValueError) << "rows has " << d.bs << " entries, the batch has " << s.bs << " rows";
   check_dim(tokens, 0, s.nt, "tokens");
   int64_t claimed = 0;
   for (int64_t i = 0; i < d.bs; ++i) claimed += d.ext[i] > 0 ? d.ext[i] : 0;
   TVM_FFI_CHECK(claimed <= s.nt, ValueError) << "ext sums to " << claimed << ", more than the " << s.nt
                                              << " new tokens";
-  const int64_t got = decode_rows(d);
+  const int64_t got = decode_rows(d, reuse.size(0) > 0 ? static_cast<const int64_t*>(reuse.data_ptr()) : nullptr);
   if (got < 0) return got;
   auto* sv = static_cast<int64_t*>(seen.data_ptr());
   auto* pv = static_cast<int64_t*>(prefix.data_ptr());
   for (int64_t i = 0; i < d.bs; ++i) {
-    if (d.live[i]) {  // a steady decode's live rows all lie in [0, R)
+    if (d.live[i]) {  // a steady batch's live rows all lie in [0, R)
       sv[d.rows[i]] = step;
       pv[d.rows[i]] = d.pre[i];
     }

@@ -36,11 +36,11 @@ int64_t begin_decode(TensorView req_pool_indices, TensorView prefix_lens, Tensor
                      TensorView rows, TensorView truth, TensorView tokens, int64_t pad_rows, int64_t pad_tokens,
                      int64_t padding_row, TensorView host_rows, TensorView host_pre, TensorView host_ext,
                      TensorView true_new, TensorView live, TensorView h, TensorView n, int64_t offset,
-                     TensorView seen, TensorView prefix, int64_t step) {
+                     TensorView seen, TensorView prefix, int64_t step, TensorView reuse) {
   const TensorView src[6] = {req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc};
   const StageArgs a = check_stage_args(kDLCPU, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row);
   const int64_t got = begin_decode_host(a, static_cast<int64_t*>(staging.data_ptr()), host_rows, host_pre, host_ext,
-                                        true_new, live, h, n, offset, seen, prefix, step);
+                                        true_new, live, h, n, offset, seen, prefix, step, reuse);
   if (got >= 0) stage_all(a);
   return got;
 }

@@ -68,11 +68,11 @@ void launch_stage(const StageArgs& a, const DLDevice& dev) {
 int64_t begin_decode_inline(StageArgs a, const TensorView& host_rows, const TensorView& host_pre,
                             const TensorView& host_ext, const TensorView& true_new, const TensorView& live,
                             const TensorView& h, const TensorView& n, int64_t offset, const TensorView& seen,
-                            const TensorView& prefix, int64_t step, const DLDevice& dev) {
+                            const TensorView& prefix, int64_t step, const TensorView& reuse, const DLDevice& dev) {
   InlineStaging s;
   a.staging_cols = STAGE_INLINE_ROWS;
   const int64_t got = begin_decode_host(a, &s.v[0][0], host_rows, host_pre, host_ext, true_new, live, h, n, offset,
-                                        seen, prefix, step);
+                                        seen, prefix, step, reuse);
   if (got < 0) return got;
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const int64_t grid = stage_blocks(a, dev.device_id);
@@ -102,17 +102,17 @@ int64_t begin_decode(TensorView req_pool_indices, TensorView prefix_lens, Tensor
                      TensorView rows, TensorView truth, TensorView tokens, int64_t pad_rows, int64_t pad_tokens,
                      int64_t padding_row, TensorView host_rows, TensorView host_pre, TensorView host_ext,
                      TensorView true_new, TensorView live, TensorView h, TensorView n, int64_t offset,
-                     TensorView seen, TensorView prefix, int64_t step) {
+                     TensorView seen, TensorView prefix, int64_t step, TensorView reuse) {
   const TensorView src[6] = {req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc};
   const StageArgs checked =
       check_stage_args(kDLCUDA, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row);
   if (checked.bs <= STAGE_INLINE_ROWS) {
     return begin_decode_inline(checked, host_rows, host_pre, host_ext, true_new, live, h, n, offset, seen, prefix,
-                               step, rows.device());
+                               step, reuse, rows.device());
   }
   const StageArgs a = mapped(checked);  // every check (the staging's pinning included) before the decode writes
   const int64_t got = begin_decode_host(a, static_cast<int64_t*>(staging.data_ptr()), host_rows, host_pre, host_ext,
-                                        true_new, live, h, n, offset, seen, prefix, step);
+                                        true_new, live, h, n, offset, seen, prefix, step, reuse);
   if (got >= 0) launch_stage(a, rows.device());
   return got;
 }

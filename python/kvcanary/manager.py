@@ -141,7 +141,7 @@ class CanaryManager:
         self._phase = _Phase.BEGUN
 
     def _begin_steady(self, batch: BatchView, kind: ForwardKind) -> bool:
-        """The common forward, a steady decode (every request continues its row by one known token; nothing to
+        """The common forward, a steady batch (every request continues its row with its known tokens; nothing to
         perturb, no capture): its checks and upload in one native call (:meth:`Upload.steady`). False, with nothing
         changed, for any other forward (:meth:`_begin` takes it and raises what it finds). The checks of
         ``BatchView.validate`` not made here are implied: the host facts' lengths and the arrays by the native call,
@@ -150,9 +150,7 @@ class CanaryManager:
         if kind is ForwardKind.CAPTURE or self.perturber.enabled or not isinstance(tokens, torch.Tensor):
             return False
         bs, nt, tt = len(batch.req_pool_indices_host), tokens.shape[0], batch.true_tokens
-        # nt > bs: some row brings several tokens (a prefill chunk, a speculative round), which begin_decode declines
-        # for a live row; known before any check (a dead row of several tokens also goes the general way: same results)
-        if nt > bs or bs > cfg.req_capacity or nt > cfg.token_capacity or (tt is not None and len(tt) != bs):
+        if bs > cfg.req_capacity or nt > cfg.token_capacity or (tt is not None and len(tt) != bs):
             return False
         batch.check_table(self.pool, self.device, self._table)
         table = batch.req_to_token

@@ -207,7 +207,7 @@ class RowChains:
         """State for ``rows`` slot-table rows; ``offset`` as in :class:`ChainHasher`; ``step``: the native
         ``hash_chain_step(h, tokens, positions, out) -> errors`` of the C++ backend (None: numpy); ``segments``: its
         ``truth_segments`` (docs/ops-contract.md 8d), which hashes the continuing requests of any forward in one call
-        (None: numpy). The steady decode's one-call form is ``begin_decode`` (8c), on ``h`` and ``n``."""
+        (None: numpy). The steady batch's one-call form is ``begin_decode`` (8c), on ``h`` and ``n``."""
         self.offset = offset
         self.step = step
         self.segments = segments
@@ -327,13 +327,33 @@ class RowChains:
         if tok.size and (int(tok.max()) >= TOKEN_LIMIT or int(pos.max()) >= TOKEN_LIMIT):
             raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
 
+    def reach(self, rows: np.ndarray, live: np.ndarray, pre: np.ndarray,
+              histories: Sequence[Sequence[int]] | None) -> bool:
+        """The live rows behind their prefix end (a new request with a reused prefix, a rewound one) advanced along
+        their true histories to it, one by one through :func:`chain_truth` (a row past it restarts from the empty
+        chain, one whose history is shorter stops at its end); True when every live row then continues its chain."""
+        want = pre + self.offset
+        behind = np.flatnonzero(live & (self.n[rows] != want))
+        if behind.size == 0:
+            return True
+        if histories is None:
+            return False
+        for i in behind.tolist():
+            self._chain_truth(int(rows[i]), int(pre[i]), 0, histories[i])
+        return all_set(self.n[rows[live]] == want[live])
+
     def _catch_up(self, i: int, row: int, pre: int, ext: int, history: Sequence[int] | None, out: BatchTruth) -> None:
         """One request through chain_truth, seeded with its row's state."""
         if history is None:
             return
-        scratch = ChainHasher(self.offset)
-        scratch._state[row] = (int(self.h[row]), int(self.n[row]))
-        ep, en = chain_truth(scratch, row, history, pre, ext, self.offset)
-        self.h[row], self.n[row] = scratch.value(row), scratch.length(row)
+        ep, en = self._chain_truth(row, pre, ext, history)
         out.expect_prefix[i], out.prefix_known[i] = ep or 0, ep is not None
         out.expect_new[i], out.new_known[i] = en or 0, en is not None
+
+    def _chain_truth(self, row: int, pre: int, ext: int, history: Sequence[int]) -> tuple[int | None, int | None]:
+        """:func:`chain_truth` of one request from its row's state, which it advances."""
+        scratch = ChainHasher(self.offset)
+        scratch._state[row] = (int(self.h[row]), int(self.n[row]))
+        got = chain_truth(scratch, row, history, pre, ext, self.offset)
+        self.h[row], self.n[row] = scratch.value(row), scratch.length(row)
+        return got

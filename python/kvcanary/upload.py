@@ -85,11 +85,12 @@ class Upload:
         self._inline = STAGE_INLINE_ROWS if self._stage.backend == "cuda" else 0
 
     def steady(self, batch: BatchView, step: int, shape: tuple[int, int]) -> bool:
-        """A steady decode (forward ``step``, bound ``shape``): every live request holds its row and continues it with
-        one new token whose truth is given, under the FULL policy and CHAIN truth. Checked, hashed and staged by one
-        native call (``begin_decode``, docs/ops-contract.md 8c). False, with nothing changed, for any other batch
-        (:meth:`begin` takes it); bad input raises CanaryInputError (``BatchView.validate``'s message where it has
-        one) before anything changes. The caller has checked the batch's fit (capacities, slot table)."""
+        """A steady batch (forward ``step``, bound ``shape``): every live request holds its row and continues it with
+        its new tokens (a decode, a speculative round, the next chunk of a prefill), whose truth is given, under the
+        FULL policy and CHAIN truth. Checked, hashed and staged by one native call (``begin_decode``,
+        docs/ops-contract.md 8c). False, with nothing changed, for any other batch (:meth:`begin` takes it); bad input
+        raises CanaryInputError (``BatchView.validate``'s message where it has one) before anything changes. The
+        caller has checked the batch's fit (capacities, slot table)."""
         new, offset = batch.true_new_tokens, batch.token_offset
         if not self._decodes or new is None or batch.expected_chains is not None or \
                 (self.pool.token_offset if offset is None else offset) != self.chains.offset:
@@ -125,7 +126,7 @@ class Upload:
 
     def begin(self, batch: BatchView, step: int, capture: bool, shape: tuple[int, int]) -> None:
         """Token truth, stripe ends and reuse ends of ``batch`` (forward ``step``) staged with the batch into the static
-        buffers, padded to the bound ``shape``, for any batch (a steady decode takes :meth:`steady`). The caller has
+        buffers, padded to the bound ``shape``, for any batch (a steady batch takes :meth:`steady`). The caller has
         run ``BatchView.validate_fit``; the arrays are checked here before any state changes."""
         batch.validate_arrays(self.state.device)
         ids = batch.request_ids
@@ -152,6 +153,9 @@ class Upload:
         self._claim(rows, keys, claims, pre, capture, out[4])
         if self.stripes is not None:
             self._stripe_ends(keys, live, pre, capture, out[3])
+        if not capture and self._continued(batch, rows, live, pre, ext, src, k, pads, step, out[4]):
+            self._staged(k, bs, nt, shape)
+            return
         if capture:  # nothing runs at a capture: its truth is staged, the rows' chains stay where they were
             chains, h, n = self.chains, self.chains.h[rows], self.chains.n[rows]
         self._truth(batch, rows, live, pre, ext, out)
@@ -164,6 +168,23 @@ class Upload:
         if not capture:
             self.requests.ran(rows, live, pre, step)
         self._staged(k, bs, nt, shape)
+
+    def _continued(self, batch: BatchView, rows: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
+                   src: tuple[torch.Tensor, ...], k: int, pads: tuple[int, int], step: int, reuse: np.ndarray) -> bool:
+        """The truth and staging of a claimed batch (forward ``step``) in one native call (``begin_decode``) once its
+        rows that are behind their prefix end (a new request with a reused prefix, a rewound one) have caught up:
+        under the FULL policy and CHAIN truth with bulk truth given, when every live row then continues its chain.
+        False, with only the catch-up done, otherwise (the caller's numpy path takes the batch)."""
+        new, offset = batch.true_new_tokens, batch.token_offset
+        if not self._decodes or new is None or batch.expected_chains is not None or \
+                (self.pool.token_offset if offset is None else offset) != self.chains.offset or \
+                not self.chains.reach(rows, live, pre, batch.true_tokens):
+            return False
+        got = self._stage.decode(src, k, *pads, (rows, pre, ext), host_array(new), live, self._row_state,
+                                 self.chains.offset, step, reuse)
+        if got == BAD_VALUE:
+            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
+        return got >= 0
 
     def _pads(self, bs: int, nt: int, shape: tuple[int, int]) -> tuple[int, int]:
         """(pad_rows, pad_tokens) of a batch of ``bs`` rows and ``nt`` tokens staged at the bound ``shape``: rows up to

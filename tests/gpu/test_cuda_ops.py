@@ -584,8 +584,9 @@ def test_stage_batch_replays_in_a_graph() -> None:
 # ---- begin_decode ------------------------------------------------------------------------------------------------
 
 def _decode_case(rng: random.Random, inline: bool = False) -> dict[str, Any]:
-    """A batch over R rows, mostly a steady decode (some rows rewound, some tokens unknown or out of range); ``inline``:
-    at most STAGE_INLINE_ROWS rows (the CUDA op passes the staging rows in its launch), else more."""
+    """A batch over R rows, mostly steady (mostly one new token a row, some several or none; some rows rewound, some
+    tokens unknown or out of range; reuse ends or none); ``inline``: at most STAGE_INLINE_ROWS rows (the CUDA op passes
+    the staging rows in its launch), else more."""
     rows_n = rng.randint(2, 400)
     bs = rng.randint(0, STAGE_INLINE_ROWS) if inline else rng.randint(STAGE_INLINE_ROWS + 1, 300)
     n = torch.randint(0, 5000, (rows_n,)).numpy()
@@ -593,7 +594,7 @@ def _decode_case(rng: random.Random, inline: bool = False) -> dict[str, Any]:
     live = [rng.random() < 0.9 for _ in range(bs)]
     steady = rng.random() < 0.7
     pre = [int(n[r]) if steady or rng.random() < 0.9 else rng.randint(0, 5000) for r in rows]
-    ext = [1 if lv else rng.randint(0, 2) for lv in live]
+    ext = [1 if rng.random() < 0.7 else rng.randint(0, 4) for _ in live]
     nt = sum(ext) + rng.randint(0, 3)
     new = [-1 if rng.random() < 0.05 else rng.randrange(TOKEN_LIMIT) for _ in range(nt)]
     if nt and rng.random() < 0.15:
@@ -605,7 +606,8 @@ def _decode_case(rng: random.Random, inline: bool = False) -> dict[str, Any]:
             "pads": (bs + rng.randint(0, 5), nt + rng.randint(0, 7)),
             "host": tuple(np.array(v, np.int64) for v in (rows, pre, ext)), "new": np.array(new, np.int64),
             "live": np.array(live, bool), "h": torch.randint(-(1 << 62), 1 << 62, (rows_n,)).numpy(), "n": n,
-            "seen": np.full(rows_n, -1, np.int64), "prefix": np.zeros(rows_n, np.int64)}
+            "seen": np.full(rows_n, -1, np.int64), "prefix": np.zeros(rows_n, np.int64),
+            "reuse": np.array([rng.randint(0, 5000) for _ in rows], np.int64) if rng.random() < 0.5 else None}
 
 
 def _run_decode(c: dict[str, Any], backend: str, dev: str, pinned: bool = True) -> tuple[int, list[torch.Tensor]]:
@@ -614,7 +616,7 @@ def _run_decode(c: dict[str, Any], backend: str, dev: str, pinned: bool = True) 
     dst = [t.to(dev) for t in c["dst"]]
     state = [c[k].copy() for k in ("h", "n", "seen", "prefix")]
     got = begin_decode([t.to(dev) for t in c["src"]], staging, *dst, *c["pads"], 0, c["host"], c["new"], c["live"],
-                       state[0], state[1], 0, state[2], state[3], 7, backend=backend)
+                       state[0], state[1], 0, state[2], state[3], 7, backend=backend, reuse=c["reuse"])
     return got, [staging, *(t.cpu() for t in dst), *(torch.from_numpy(a) for a in state)]
 
 

@@ -169,7 +169,8 @@ def test_invalidate_makes_a_freed_slot_fail_its_next_read(dtype: torch.dtype) ->
     g = m.state.groups[0]
     before = [g.head.records.clone(), g.tail.records.clone()]
     n = g.spec.num_slots
-    m.invalidate(torch.tensor([0, slot, -3, n, n + 7], dtype=dtype))  # slot 0 is reserved, the others outside the pool: left alone
+    # slot 0 is reserved, the others outside the pool: left alone
+    m.invalidate(torch.tensor([0, slot, -3, n, n + 7], dtype=dtype))
     for records, was in zip((g.head.records, g.tail.records), before, strict=True):  # both buffers
         changed = (records != was).any(dim=(1, 2)).nonzero().flatten().tolist()
         assert changed == [slot] and int(records[slot, 0, RecordField.POSITION]) == NO_SLOT

@@ -173,15 +173,13 @@ def test_steady_decode_skips_padding_rows_and_counts_unknown_tokens() -> None:
     assert chains.n[1:4].tolist() == [2, 2, 1] and chains.h[0] == np.uint64(H.CHAIN_H0)  # padding row untouched
 
 
-@pytest.mark.parametrize("case", ["reset row", "two new tokens", "rewound", "row out of range", "negative extend"])
+@pytest.mark.parametrize("case", ["reset row", "rewound", "row out of range", "negative extend"])
 def test_steady_decode_declines_without_changing_anything(case: str) -> None:
     chains = _native_chains(4)
     rows = _decoding(chains, 2, [5, 6])
     pre, ext, new = np.array([1, 1]), np.array([1, 1]), np.array([7, 8])
     if case == "reset row":  # another request claimed row 2
         chains.reset([2])
-    elif case == "two new tokens":
-        ext, new = np.array([1, 2]), np.array([7, 8, 9])
     elif case == "rewound":
         pre = np.array([1, 0])
     elif case == "row out of range":

@@ -232,8 +232,9 @@ def _state(m: CanaryManager) -> list[np.ndarray]:
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("view", [False, True])
 def test_the_steady_path_leaves_what_the_general_path_leaves(backend: str, view: bool) -> None:
-    """Padded steady decodes take Upload.steady (one native call) and leave exactly the buffers and row state that the
-    general path (begin_decode switched off) leaves for the same forwards; also when the slot table is a fresh view
+    """Padded steady decodes take Upload.steady (one native call), the prefill claims its rows then takes begin_decode,
+    and they leave exactly the buffers and row state that the numpy path (begin_decode switched off) leaves for the
+    same forwards; also when the slot table is a fresh view
     every forward (as vLLM's block_table[:n])."""
     engines = [setup(n_reqs=3, backend=backend) for _ in range(2)]
     engines[1][1].upload._decodes = False  # the general path only
@@ -256,7 +257,7 @@ def test_the_steady_path_leaves_what_the_general_path_leaves(backend: str, view:
             m.end_forward()
         got, want = (_state(m) for _, m in engines)
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), i
-    assert taken == [True] * 5  # the prefill (more tokens than rows) never tries it, every decode is steady
+    assert taken == [False] + [True] * 5  # the prefill's requests are new to their rows, every decode is steady
     for _, m in engines:
         assert m.flush() is not None and sum(r.total for r in m.reports) == 0
 

@@ -1,5 +1,5 @@
 """Batch staging (docs/ops-contract.md 8b): one forward's batch and token-truth rows into the static buffers the bound
-ops read, padded to the bound shape, in one call; and a steady decode's token truth with its staging in one call
+ops read, padded to the bound shape, in one call; and a steady batch's token truth with its staging in one call
 (``begin_decode``, 8c). Torch references + native."""
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ SRC_NAMES = ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "pos
 # stage(req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, staging, rows, truth, tokens,
 #       pad_rows, pad_tokens, padding_row)
 Stager = Callable[..., None]
-# begin_decode(the stage arguments, host_rows, host_pre, host_ext, true_new, live, h, n, offset, seen, prefix, step)
-#   -> int
+# begin_decode(the stage arguments, host_rows, host_pre, host_ext, true_new, live, h, n, offset, seen, prefix, step,
+#   reuse) -> int
 Decoder = Callable[..., int]
 NOT_STEADY, BAD_VALUE = -1, -2  # begin_decode's results that stage nothing
+NO_REUSE = np.zeros(0, dtype=np.int64)  # begin_decode's reuse ends when there are none (every row's is 0)
 
 
 def stage_batch(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor,
@@ -84,29 +85,31 @@ class BatchStager:
 
     def decode(self, src: Sequence[torch.Tensor], k: int, pad_rows: int, pad_tokens: int, host: Sequence[np.ndarray],
                true_new: np.ndarray | torch.Tensor, live: np.ndarray, rows: tuple[object, ...], offset: int,
-               step: int) -> int:
+               step: int, reuse: np.ndarray = NO_REUSE) -> int:
         """:func:`begin_decode` with staging buffer ``k`` (``host``: the batch's rows, prefix and extend lengths;
-        ``rows``: :meth:`row_state`)."""
+        ``rows``: :meth:`row_state`; ``reuse``: the reuse ends, empty: none)."""
         h, n, seen, prefix = rows
         return self._decode(*src, self._staging[k], *self._dst, pad_rows, pad_tokens, self.padding_row, *host, true_new,
-                            live, h, n, offset, seen, prefix, step)
+                            live, h, n, offset, seen, prefix, step, reuse)
 
 
 def begin_decode(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor,
                  tokens: torch.Tensor, pad_rows: int, pad_tokens: int, padding_row: int, host: Sequence[np.ndarray],
                  true_new: np.ndarray, live: np.ndarray, h: np.ndarray, n: np.ndarray, offset: int,
-                 seen: np.ndarray, prefix: np.ndarray, step: int, backend: str = "torch") -> int:
-    """A steady decode's token truth and staging in one call (docs/ops-contract.md 8c): :func:`stage_batch`'s arguments,
+                 seen: np.ndarray, prefix: np.ndarray, step: int, backend: str = "torch",
+                 reuse: np.ndarray | None = None) -> int:
+    """A steady batch's token truth and staging in one call (docs/ops-contract.md 8c): :func:`stage_batch`'s arguments,
     then ``host`` = (rows, prefix lengths, extend lengths) int64 [bs], ``true_new`` int64 [nt] (negative = unknown),
-    ``live`` bool [bs], the rows' chain state ``h`` (u64 as int64) / ``n`` and their ``seen`` / ``prefix``, int64 [R].
-    When every live row continues its chain with one new token, the staging rows ``staging[:5, :bs]`` get the expected
-    chains and flag mask (8a), the rows advance, each live row's ``seen`` becomes ``step`` and its ``prefix`` its
-    prefix length, the batch is staged (8b) and the count of unknown new tokens returned; else NOT_STEADY or BAD_VALUE
-    with nothing written. Input errors (8b's, ``host`` or ``live`` not of the batch's length, ``ext`` claiming more
-    than nt tokens, row state arrays of different lengths) raise CanaryInputError before anything is written."""
+    ``live`` bool [bs], the rows' chain state ``h`` (u64 as int64) / ``n`` and their ``seen`` / ``prefix``, int64 [R],
+    and ``reuse``, int64 [bs], the reuse ends (None: 0). When every live row continues its chain with its new tokens,
+    the staging rows ``staging[:5, :bs]`` get the expected chains, flag mask and reuse ends (8a), the rows advance, each
+    live row's ``seen`` becomes ``step`` and its ``prefix`` its prefix length, the batch is staged (8b) and the count of
+    live rows whose new tokens are not all known returned; else NOT_STEADY or BAD_VALUE with nothing written. Input
+    errors (8b's, ``host``, ``live`` or ``reuse`` not of the batch's length, ``ext`` claiming more than nt tokens, row
+    state arrays of different lengths) raise CanaryInputError before anything is written."""
     b = check_backend(backend, rows.device)
     args = (*src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row, *host, true_new, live, h, n, offset,
-            seen, prefix, step)
+            seen, prefix, step, NO_REUSE if reuse is None else reuse)
     if b == "torch":
         return _begin_decode_checked(*args)
     try:
@@ -128,13 +131,15 @@ def _begin_decode_torch(req_pool_indices: torch.Tensor, prefix_lens: torch.Tenso
                         staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor, tokens: torch.Tensor,
                         pad_rows: int, pad_tokens: int, padding_row: int, host_rows: np.ndarray, host_pre: np.ndarray,
                         host_ext: np.ndarray, true_new: np.ndarray | torch.Tensor, live: np.ndarray, h: np.ndarray,
-                        n: np.ndarray, offset: int, seen: np.ndarray, prefix: np.ndarray, step: int) -> int:
-    """The reference: one Python step per row (Python ints for the chain, the oracle of the C++ loop)."""
+                        n: np.ndarray, offset: int, seen: np.ndarray, prefix: np.ndarray, step: int,
+                        reuse: np.ndarray) -> int:
+    """The reference: one Python step per row and token (Python ints for the chain, the oracle of the C++ loop)."""
     bs, nt = int(req_pool_indices.shape[0]), int(input_ids.shape[0])
     tok = true_new.tolist() if isinstance(true_new, torch.Tensor) else np.asarray(true_new).tolist()
     r, p, e, lv = (np.asarray(v).tolist() for v in (host_rows, host_pre, host_ext, live))
-    if not len(r) == len(p) == len(e) == len(lv) == bs or len(tok) != nt or staging.shape[0] != STAGING_ROWS or \
-            not seen.shape == prefix.shape == n.shape == h.shape:
+    ends = np.asarray(reuse).tolist() or [0] * bs
+    if not len(r) == len(p) == len(e) == len(lv) == len(ends) == bs or len(tok) != nt or \
+            staging.shape[0] != STAGING_ROWS or not seen.shape == prefix.shape == n.shape == h.shape:
         raise CanaryInputError(f"begin_decode: host facts of {bs} rows and {nt} tokens, {STAGING_ROWS} staging rows "
                                "expected")
     if sum(max(x, 0) for x in e) > nt:
@@ -145,9 +150,10 @@ def _begin_decode_torch(req_pool_indices: torch.Tensor, prefix_lens: torch.Tenso
             return NOT_STEADY
         if not lv[i]:
             continue
-        if e[i] != 1 or not 0 <= r[i] < h.shape[0] or starts[i] >= len(tok) or int(n[r[i]]) != p[i] + offset:
+        if not 0 <= r[i] < h.shape[0] or starts[i] + e[i] > len(tok) or int(n[r[i]]) != p[i] + offset:
             return NOT_STEADY
-        if not 0 <= p[i] < TOKEN_LIMIT or tok[starts[i]] >= TOKEN_LIMIT:
+        mine = tok[starts[i]:starts[i] + e[i]]
+        if any(not 0 <= p[i] + j < TOKEN_LIMIT or t >= TOKEN_LIMIT for j, t in enumerate(mine)):
             return BAD_VALUE
     out = staging.numpy()
     hu = h.view(np.uint64)
@@ -157,15 +163,17 @@ def _begin_decode_torch(req_pool_indices: torch.Tensor, prefix_lens: torch.Tenso
         ep = en = 0
         mask = -1
         if lv[i]:
-            h0, t = int(before[r[i]]), tok[starts[i]]
+            h0, mine = int(before[r[i]]), tok[starts[i]:starts[i] + e[i]]
             ep = H.to_i64(h0) if p[i] > 0 else 0
-            if t >= 0:
-                en = H.to_i64(H.chain_step_int(h0, t, p[i]))
-                hu[r[i]], n[r[i]] = H.to_u64(en), p[i] + offset + 1
+            if mine and min(mine) >= 0:
+                for j, t in enumerate(mine):
+                    h0 = H.chain_step_int(h0, t, p[i] + j)
+                en = H.to_i64(h0)
+                hu[r[i]], n[r[i]] = h0, p[i] + e[i] + offset
             else:
                 mask, unknown = ~int(PlanFlag.EXPECT_NEW), unknown + 1
             seen[r[i]], prefix[r[i]] = step, p[i]
-        out[:, i] = (ep, en, mask, 0, 0)
+        out[:, i] = (ep, en, mask, 0, ends[i])
     _stage_torch(req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc, staging, rows, truth,
                  tokens, pad_rows, pad_tokens, padding_row)
     return unknown
