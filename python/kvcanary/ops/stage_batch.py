@@ -72,6 +72,8 @@ class BatchStager:
             self._fn, self._decode = mod.stage_batch, mod.begin_decode
             args = [tvm_ffi.from_dlpack(t) for t in args]
         self._staging, self._dst, self.padding_row = args[:len(staging)], tuple(args[len(staging):]), padding_row
+        # no reuse ends (a steady decode's): converted once, as the static arguments
+        self._no_reuse = NO_REUSE if self.backend == "torch" else tvm_ffi.from_dlpack(NO_REUSE)
 
     def __call__(self, src: Sequence[torch.Tensor], k: int, pad_rows: int, pad_tokens: int) -> None:
         """Stage ``src`` (the six batch arrays, checked by the caller: ``BatchView.validate``) with staging buffer
@@ -85,12 +87,12 @@ class BatchStager:
 
     def decode(self, src: Sequence[torch.Tensor], k: int, pad_rows: int, pad_tokens: int, host: Sequence[np.ndarray],
                true_new: np.ndarray | torch.Tensor, live: np.ndarray, rows: tuple[object, ...], offset: int,
-               step: int, reuse: np.ndarray = NO_REUSE) -> int:
+               step: int, reuse: np.ndarray | None = None) -> int:
         """:func:`begin_decode` with staging buffer ``k`` (``host``: the batch's rows, prefix and extend lengths;
-        ``rows``: :meth:`row_state`; ``reuse``: the reuse ends, empty: none)."""
+        ``rows``: :meth:`row_state`; ``reuse``: the reuse ends, None: none)."""
         h, n, seen, prefix = rows
         return self._decode(*src, self._staging[k], *self._dst, pad_rows, pad_tokens, self.padding_row, *host, true_new,
-                            live, h, n, offset, seen, prefix, step, reuse)
+                            live, h, n, offset, seen, prefix, step, self._no_reuse if reuse is None else reuse)
 
 
 def begin_decode(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor,
