@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Host A/B on natives JIT-built on the machine (no kvcanary wheel): A = .ab/srcA (an earlier commit's python/,
 # generated/ and csrc/: git archive REV python generated csrc | tar -x -C .ab/srcA), B = this tree. ENGINE_ROUNDS x
-# (A, B) of the reference-engine row, ROUNDS x (A, B) of the bracket rows at bs 1/64/256 (0: none), then B's hook
-# probe (gpu/probe_hook_times.py cuda) and B's GPU tests under TESTS (pytest paths; none when empty). Summary: per row
-# and side the median and the best of the rounds (bench/summarize_rounds.py). Files in $OUT: log.txt rounds.tar.gz
-# summary.md. Carry .whl (tvm-ffi) and .ab. Usage: [ROUNDS=0] [ENGINE_ROUNDS=4] [TESTS=...] bash gpu/run_py_ab.sh
+# (A, B) of the reference-engine row, ROUNDS x (A, B) of the bracket rows at batch sizes BS (default 1,64,256; ROUNDS
+# 0: none), then B's hook probe (gpu/probe_hook_times.py cuda) and B's GPU tests under TESTS (pytest paths; none when
+# empty). Summary: per row and side the median and the best of the rounds (bench/summarize_rounds.py). Files in $OUT:
+# log.txt rounds.tar.gz summary.md. Carry .whl (tvm-ffi) and .ab.
+# Usage: [ROUNDS=0] [ENGINE_ROUNDS=4] [BS=1,64,256] [TESTS=...] bash gpu/run_py_ab.sh
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/rounds
@@ -30,7 +31,7 @@ side() {  # side A|B: that side's sources, each with its own JIT cache
   for run in $(seq "${ROUNDS:-0}"); do
     for s in A B; do
       echo "=== round $run $s $(date -u +%T)"; side $s
-      timeout 120 python3 -m bench.bench_runtime --device cuda --backends cuda --bs 1,64,256 --iters 500 \
+      timeout 120 python3 -m bench.bench_runtime --device cuda --backends cuda --bs "${BS:-1,64,256}" --iters 500 \
         --config default --engine-steps 0 --out "/tmp/rounds/runtime_${s}_$run.json" | grep -E "replay|eager"
     done
   done
