@@ -2,13 +2,11 @@
 calls), whole and step by step, and the aten ops one call runs (torch profiler).
 Usage: python3 gpu/probe_invalidate.py."""
 
-import statistics
-import time
-
 import numpy as np
 import torch
 from kvcanary import campaign as C
 from kvcanary.engine.canary import EngineCanary
+from probe_torch_ops import timed
 from torch.profiler import ProfilerActivity, profile
 
 engine = C.build_engine((), False, "cuda")
@@ -30,15 +28,7 @@ steps = {
     "index_copy_": lambda: g.spare.index_copy_(1, idx, g.poison.expand(-1, 8, -1, -1)),
 }
 for name, fn in steps.items():
-    fn()
-    torch.cuda.synchronize()
-    dts = []
-    for _ in range(300):
-        t0 = time.perf_counter()
-        fn()
-        dts.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    print(f"{name:24s} warm median {1e6 * statistics.median(dts):7.1f} us")
+    print(f"{name:24s} warm median {1e6 * timed(fn)[1]:7.1f} us")
 with profile(activities=[ProfilerActivity.CPU]) as prof:
     m.invalidate(slots)
 print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))

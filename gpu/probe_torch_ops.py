@@ -4,6 +4,7 @@ its module). Usage: python3 gpu/probe_torch_ops.py."""
 
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -53,15 +54,22 @@ OPS = {
     "view int64 of uint8": lambda: PIN.view(torch.uint8)[:64].view(torch.int64),
     "zeros bool": lambda: torch.zeros(8, dtype=torch.bool, device=d),
 }
-for name, fn in OPS.items():  # cold: the first call in this process
+def timed(fn: Callable[[], object], calls: int = 300) -> tuple[float, float]:
+    """(the first call's seconds, the warm median's) of ``fn``, the device drained around the warm calls."""
     t0 = time.perf_counter()
     fn()
     cold = time.perf_counter() - t0
     torch.cuda.synchronize()
     dts = []
-    for _ in range(300):
+    for _ in range(calls):
         t0 = time.perf_counter()
         fn()
         dts.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    print(f"{name:24s} warm median {1e6 * statistics.median(dts):7.1f} us   first call {1e3 * cold:8.2f} ms")
+    return cold, statistics.median(dts)
+
+
+if __name__ == "__main__":
+    for name, fn in OPS.items():  # cold: the first call in this process
+        cold, warm = timed(fn)
+        print(f"{name:24s} warm median {1e6 * warm:7.1f} us   first call {1e3 * cold:8.2f} ms")
