@@ -91,9 +91,8 @@ class Upload:
         docs/ops-contract.md 8c). False, with nothing changed, for any other batch (:meth:`begin` takes it); bad input
         raises CanaryInputError (``BatchView.validate``'s message where it has one) before anything changes. The
         caller has checked the batch's fit (capacities, slot table)."""
-        new, offset = batch.true_new_tokens, batch.token_offset
-        if not self._decodes or new is None or batch.expected_chains is not None or \
-                (self.pool.token_offset if offset is None else offset) != self.chains.offset:
+        new = batch.true_new_tokens
+        if new is None or not self._bulk(batch):
             return False
         ids = batch.request_ids
         try:
@@ -175,16 +174,19 @@ class Upload:
         rows that are behind their prefix end (a new request with a reused prefix, a rewound one) have caught up:
         under the FULL policy and CHAIN truth with bulk truth given, when every live row then continues its chain.
         False, with only the catch-up done, otherwise (the caller's numpy path takes the batch)."""
-        new, offset = batch.true_new_tokens, batch.token_offset
-        if not self._decodes or new is None or batch.expected_chains is not None or \
-                (self.pool.token_offset if offset is None else offset) != self.chains.offset or \
-                not self.chains.reach(rows, live, pre, batch.true_tokens):
+        new = batch.true_new_tokens
+        if new is None or not self._bulk(batch) or not self.chains.reach(rows, live, pre, batch.true_tokens):
             return False
         got = self._stage.decode(src, k, *pads, (rows, pre, ext), host_array(new), live, self._row_state,
                                  self.chains.offset, step, reuse)
         if got == BAD_VALUE:
             raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
         return got >= 0
+
+    def _bulk(self, batch: BatchView) -> bool:
+        """Whether ``batch``'s truth may go through ``begin_decode``: the FULL policy and CHAIN truth, bulk truth given
+        (``true_new_tokens``, checked by the caller), no engine-given chains, the rows' token offset."""
+        return self._decodes and batch.expected_chains is None and self._offset(batch) == self.chains.offset
 
     def _pads(self, bs: int, nt: int, shape: tuple[int, int]) -> tuple[int, int]:
         """(pad_rows, pad_tokens) of a batch of ``bs`` rows and ``nt`` tokens staged at the bound ``shape``: rows up to

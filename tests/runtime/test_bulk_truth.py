@@ -200,3 +200,19 @@ def test_steady_decode_bad_value_writes_nothing(bad: str) -> None:
     pre = np.array([1, 1 << 31]) if bad == "position" else np.array([1, 1])
     assert _steady_truth(chains, rows, np.ones(2, bool), pre, np.array([1, 1]), new, declines=BAD_VALUE) is None
     assert (chains.h == before).all()
+
+
+def test_reach_catches_rows_up_to_their_prefix_end() -> None:
+    """RowChains.reach against the oracle: a claimed row (empty chain) and a rewound one (past its prefix: restarts)
+    reach their prefix end; a row whose history stops short stops there, and reach says not every row continues."""
+    rng = np.random.default_rng(5)
+    hist = [[int(t) for t in rng.integers(0, 1000, 9)] for _ in range(3)]
+    chains = _native_chains(4)
+    chains.forward(np.array([2]), np.ones(1, bool), np.zeros(1, np.int64), np.array([7]), None, [hist[1]])
+    assert int(chains.n[2]) == 7  # row 2's request had 7 tokens, then rewinds to a prefix of 3
+    rows, live, pre = np.array([1, 2, 3]), np.ones(3, bool), np.array([5, 3, 4])
+    assert chains.reach(rows, live, pre, [hist[0], hist[1], hist[2][:2]]) is False
+    for row, tokens in ((1, hist[0][:5]), (2, hist[1][:3]), (3, hist[2][:2])):
+        oracle = ChainHasher()
+        assert int(chains.n[row]) == len(tokens) and int(chains.h[row]) == oracle.extend("k", tokens, 0)
+    assert chains.reach(rows[:2], live[:2], pre[:2], None) is True  # nothing behind: the histories are not needed
