@@ -109,12 +109,14 @@ def test_bad_values_write_nothing(backend: str, bad: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("bad", ["extend sum", "host length", "true_new length", "live length", "staging rows",
-                                 "row state length", "reuse length"])
+@pytest.mark.parametrize("bad", ["extend sum", "extend sum wraps", "host length", "true_new length", "live length",
+                                 "staging rows", "row state length", "reuse length"])
 def test_input_errors_raise_before_any_write(backend: str, bad: str) -> None:
     c = Case(rows=[1, 2], pre=[3, 3], ext=[1, 1], new=[5, 6], live=[True, True], h=[1, 2, 3], n=[0, 3, 3])
     if bad == "extend sum":
         c.host = (c.host[0], c.host[1], np.array([2, 1], np.int64))
+    elif bad == "extend sum wraps":  # 2^62 + 2^62 wraps an int64 sum to a negative one
+        c.host = (c.host[0], c.host[1], np.array([1 << 62, 1 << 62], np.int64))
     elif bad == "host length":
         c.host = (c.host[0][:1], c.host[1], c.host[2])
     elif bad == "true_new length":

@@ -87,12 +87,11 @@ inline int64_t decode_rows(const DecodeArgs& a, const int64_t* reuse) {
   // Pass 1: steady, in range, every index inside its array (nothing is written before all rows pass).
   int64_t at = 0;
   for (int64_t i = 0; i < a.bs; ++i) {
-    const int64_t begin = at, e = a.ext[i];
-    if (e < 0) return kNotSteady;
-    at += e;
+    const int64_t begin = at, e = a.ext[i];  // begin >= 0: every earlier ext was
+    if (e < 0 || __builtin_add_overflow(at, e, &at)) return kNotSteady;
     if (!a.live[i]) continue;
     const int64_t row = a.rows[i];
-    if (row < 0 || row >= a.num_rows || begin + e > a.num_tokens || a.n[row] != a.pre[i] + a.offset) {
+    if (row < 0 || row >= a.num_rows || e > a.num_tokens - begin || a.n[row] != a.pre[i] + a.offset) {
       return kNotSteady;
     }
     for (int64_t j = 0; j < e; ++j) {
@@ -143,9 +142,9 @@ inline int64_t segment_rows(const DecodeArgs& a) {
   int64_t at = 0;
   for (int64_t i = 0; i < a.bs; ++i) {  // pass 1: every check before any write
     const int64_t begin = at, e = a.ext[i];
-    at += e;
+    if (__builtin_add_overflow(at, e, &at)) return kNotSteady;  // no prefix sum of ext can index `tokens`
     if (!a.live[i]) continue;
-    if (a.rows[i] < 0 || a.rows[i] >= a.num_rows || (e > 0 && (begin < 0 || begin + e > a.num_tokens))) {
+    if (a.rows[i] < 0 || a.rows[i] >= a.num_rows || (e > 0 && (begin < 0 || e > a.num_tokens - begin))) {
       return kNotSteady;
     }
     for (int64_t j = 0; j < e; ++j) {
@@ -200,10 +199,11 @@ inline int64_t begin_decode_host(const StageArgs& s, int64_t* staging, const Ten
       << "reuse must have 0 or " << d.bs << " entries, got " << reuse.size(0);
   TVM_FFI_CHECK(d.bs == s.bs, ValueError) << "rows has " << d.bs << " entries, the batch has " << s.bs << " rows";
   check_dim(tokens, 0, s.nt, "tokens");
-  int64_t claimed = 0;
-  for (int64_t i = 0; i < d.bs; ++i) claimed += d.ext[i] > 0 ? d.ext[i] : 0;
-  TVM_FFI_CHECK(claimed <= s.nt, ValueError) << "ext sums to " << claimed << ", more than the " << s.nt
-                                             << " new tokens";
+  for (int64_t i = 0, claimed = 0; i < d.bs; ++i) {  // claimed <= nt throughout: the sum cannot wrap
+    const int64_t e = d.ext[i] > 0 ? d.ext[i] : 0;
+    TVM_FFI_CHECK(e <= s.nt - claimed, ValueError) << "ext sums to more than the " << s.nt << " new tokens";
+    claimed += e;
+  }
   const int64_t got = decode_rows(d, reuse.size(0) > 0 ? static_cast<const int64_t*>(reuse.data_ptr()) : nullptr);
   if (got < 0) return got;
   auto* sv = static_cast<int64_t*>(seen.data_ptr());

@@ -217,7 +217,9 @@ class BatchView:
                        ("batch.extend_lens", self.extend_lens)), dtype=_INDEX_DTYPES, shape=(bs,), device=device)
         check_tensors((("batch.input_ids", self.input_ids), ("batch.positions", self.positions),
                        ("batch.out_cache_loc", self.out_cache_loc)), dtype=_INDEX_DTYPES, shape=(n,), device=device)
-        if int(np.maximum(np.asarray(self.extend_lens_host, dtype=np.int64), 0).sum()) > n:
+        ext = np.asarray(self.extend_lens_host, dtype=np.int64)
+        # each at most n first: then the int64 sum of a batch's lengths cannot wrap
+        if ext.size and (int(ext.max()) > n or int(np.maximum(ext, 0).sum()) > n):
             raise CanaryInputError(f"batch.extend_lens_host sums to more than the {n} new tokens")
 
 

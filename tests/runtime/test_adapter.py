@@ -67,6 +67,15 @@ def test_batch_validation() -> None:
             dataclasses.replace(b, **{field: bad}).validate(pool, 4, 16)
 
 
+def test_extend_lengths_whose_int64_sum_wraps_are_rejected() -> None:
+    eng = FakeEngine()
+    for rid in "abcd":
+        eng.add(rid, [1, 2])
+    b = eng.batch()
+    with pytest.raises(CanaryInputError, match="sums to more"):  # 4 * 2^62 wraps to 0
+        dataclasses.replace(b, extend_lens_host=[1 << 62] * 4).validate(eng.pool_description(), 8, 16)
+
+
 def test_export_validation() -> None:
     z = torch.zeros(2, dtype=torch.int64)
     PrefixCacheExport(z, z, z, z, z).validate(torch.device("cpu"))

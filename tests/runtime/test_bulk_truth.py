@@ -216,3 +216,15 @@ def test_reach_catches_rows_up_to_their_prefix_end() -> None:
         oracle = ChainHasher()
         assert int(chains.n[row]) == len(tokens) and int(chains.h[row]) == oracle.extend("k", tokens, 0)
     assert chains.reach(rows[:2], live[:2], pre[:2], None) is True  # nothing behind: the histories are not needed
+
+
+def test_truth_segments_declines_extend_lengths_whose_sum_wraps() -> None:
+    """Dead rows whose extend lengths wrap an int64 running sum back to 0 must not make a live row read the tokens at
+    the wrapped offset: the native op declines the batch."""
+    cpu = _native.module("cpu")
+    h, n = np.zeros(ROWS, np.int64), np.zeros(ROWS, np.int64)
+    ext = np.array([1 << 62] * 4 + [1], np.int64)
+    live = np.array([False] * 4 + [True])
+    rows, pre, out = np.arange(5, dtype=np.int64), np.zeros(5, np.int64), np.zeros((4, 5), np.int64)
+    got = cpu.truth_segments(rows, pre, ext, np.array([7], np.int64), live, h, n, 0, out)
+    assert got == NOT_STEADY and not n.any() and not out.any()
