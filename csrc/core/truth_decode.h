@@ -182,8 +182,7 @@ inline int64_t segment_rows(const DecodeArgs& a) {
 
 // begin_decode (8c): the batch facts' checks and the steady batch into the staging rows (`reuse`: int64 [bs] reuse ends,
 // or [0]: none), then each live row's forward `step` and prefix into seen/prefix (int64 [R]); the caller stages after a
-// result >= 0. `ext` must not claim more new
-// tokens than the batch has (an input error, as BatchView.validate says).
+// result >= 0. `ext` must not claim more new tokens than the batch has (an input error, as BatchView.validate says).
 inline int64_t begin_decode_host(const StageArgs& s, int64_t* staging, const TensorView& rows, const TensorView& pre,
                                  const TensorView& ext, const TensorView& tokens, const TensorView& live,
                                  const TensorView& h, const TensorView& n, int64_t offset, const TensorView& seen,

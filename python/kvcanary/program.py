@@ -208,8 +208,7 @@ class DeviceProgram:
         rpi, zeros = st.req_pool_indices[:bs], st.zeros[:bs]
         rows = max(bs, 1)  # plans sized to the batch (a request plans at most one segment)
         fwd_plan = g.plan[:rows]
-        # the forward plan's window (WINDOW coverage: the newest links; an SWA group: its window; else 0, every link)
-        window = g.window if g.stripe_plan is None else cfg.window_links
+        window = self._window(g)
 
         def plan(p: torch.Tensor, s: torch.Tensor, pre: torch.Tensor, ext: torch.Tensor, window: int,
                  truth: bool = False, reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> Op:
@@ -259,6 +258,11 @@ class DeviceProgram:
             got = self._verify_ops[key] = self._bind_verifies(self.state.groups[gi], rows, role, table)
         return got
 
+    def _window(self, g: GroupState) -> int:
+        """The forward plan's window: WINDOW coverage, the newest links; an SWA group, its window; else 0, every
+        link."""
+        return g.window if g.stripe_plan is None else self.config.window_links
+
     def _bind_verifies(self, g: GroupState, rows: int, role: str, table: torch.Tensor) -> list[Op]:
         st, cfg, page, b = self.state, self.config, self.pool.table_page, self.backend
         if role == "reuse_verify":
@@ -268,7 +272,7 @@ class DeviceProgram:
                                 fingerprint=g.seal, table_page=page, backend=b).frozen()]
         stage = Stage.HEAD if role == "head" else Stage.TAIL
         fp = g.fingerprint if stage == Stage.TAIL else None
-        window = g.window if g.stripe_plan is None else cfg.window_links
+        window = self._window(g)
         # (plan, status, its window: the most entries a segment holds, 0 = a whole prefix); the CUDA verify's grid
         # comes from the plan's rows times that
         plans = [(g.plan[:rows], g.status, window)] + (
