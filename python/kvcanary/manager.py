@@ -8,9 +8,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 
-import numpy as np
 import torch
-from kvcanary_schema import Group, Half, LaunchTag, Stage
+from kvcanary_schema import NO_SLOT, Group, Half, LaunchTag, RecordField, Stage
 
 from kvcanary.adapter import BatchView, EngineAdapter, PoolDescription, PrefixCacheExport, TransferBuffer
 from kvcanary.config import CanaryConfig, CanaryMode
@@ -316,21 +315,19 @@ class CanaryManager:
         """
         if not self.enabled:
             return
-        d = self.state.device
-        host = slots.numpy() if slots.device.type == "cpu" and slots.dtype == torch.int64 else None
         for g in self.state.groups:
-            if g.spec.group != Group.FULL or g.spare is None or g.poison is None:
+            if g.spec.group != Group.FULL or g.spare is None:
                 continue
-            # reserved and out-of-range slots go to the spare row past the slots (a filter would sync with the device)
-            n, r = g.spec.num_slots, g.spec.reserved_slots
-            if host is not None:  # the engine's usual host list: filtered on the host, one copy (no sync)
-                buf = torch.empty(host.shape[0], dtype=torch.int64, pin_memory=d.type == "cuda")
-                buf.numpy()[:] = np.where((host >= r) & (host < n), host, n)
-                idx = buf.to(d, non_blocking=True)
-            else:  # below the reserved ones, clamped to reserved - 1, then moved up
-                idx = slots.to(device=d, dtype=torch.int64, non_blocking=True).clamp(r - 1, n)
-                idx.masked_fill_(idx < r, n)
-            g.spare.index_copy_(1, idx, g.poison.expand(-1, idx.shape[0], -1, -1))  # both buffers in one op
+            s, n = slots.to(device=self.state.device, dtype=torch.int64, non_blocking=True), g.spec.num_slots
+            # reserved and out-of-range slots go to the spare row past the slots (a filter would sync with the device):
+            # below the reserved ones, clamped to reserved - 1, then moved up
+            r = g.spec.reserved_slots
+            idx = s.clamp(r - 1, n)
+            idx.masked_fill_(idx < r, n)
+            g.spare.index_fill_(1, idx, 0)  # both buffers (HEAD and TAIL) in one op
+            # no planned position is negative, so any verify of the slot reports VERIFY_POSITION (index_fill_: an
+            # indexed assignment of a Python scalar copies it to the device and syncs)
+            g.spare.select(3, RecordField.POSITION).index_fill_(1, idx, NO_SLOT)
 
     def add_sink(self, sink: ReportSink) -> None:
         """Also send every window to ``sink``."""

@@ -6,7 +6,6 @@ from dataclasses import dataclass, replace
 
 import torch
 from kvcanary_schema import (
-    NO_SLOT,
     NUM_COUNTER_COLS,
     NUM_LAUNCH_TAGS,
     NUM_PLAN_COLS,
@@ -15,7 +14,6 @@ from kvcanary_schema import (
     RECORD_NUM_FIELDS,
     FingerprintMode,
     Group,
-    RecordField,
     Stage,
     TokenTruth,
 )
@@ -55,9 +53,6 @@ class GroupState:
     # (``head.records`` / ``tail.records`` are the first num_slots rows of each): where invalidation sends the slots it
     # must leave alone, so it needs no host sync to filter, and one op poisons a slot in both
     spare: torch.Tensor | None = None
-    # [2, 1, H, F]: what invalidation writes into both buffers' rows of a freed slot (zeros, position NO_SLOT: no
-    # planned position is negative, so any verify of the slot reports VERIFY_POSITION)
-    poison: torch.Tensor | None = None
 
     @property
     def window(self) -> int:
@@ -144,8 +139,6 @@ class CanaryState:
         d, cfg = self.device, self.config
         swa_map = spec.swa_map if spec.group == Group.SWA else None
         spare = _i64(2, spec.num_slots + 1, spec.halves, RECORD_NUM_FIELDS, device=d)
-        poison = _i64(2, 1, spec.halves, RECORD_NUM_FIELDS, device=d)
-        poison[..., RecordField.POSITION] = NO_SLOT
         head, tail = (GroupView(rows[:spec.num_slots], spec.group, spec.reserved_slots, swa_map) for rows in spare)
         fp = None
         if cfg.fingerprint.value != 0:
@@ -173,7 +166,7 @@ class CanaryState:
             spec, head, tail, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), status,
             *plan_buffers(stripe), fp, seal, *plan_buffers(reuse),
             write_workspaces=(write_workspace(cfg.token_capacity, d), write_workspace(cfg.token_capacity, d))
-            if self.backend == "cuda" else (None, None), spare=spare, poison=poison)
+            if self.backend == "cuda" else (None, None), spare=spare)
 
     def transfer_buffers(self) -> list[TransferBuffer]:
         """The canary records to send with the KV in a prefill->decode transfer, indexable by slot."""

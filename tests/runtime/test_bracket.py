@@ -160,7 +160,7 @@ def test_device_step_and_phase_track_host() -> None:
     assert torch.equal(m.state.sink.count, torch.zeros(1, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])  # int64: filtered on the host; int32: on the device
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_invalidate_makes_a_freed_slot_fail_its_next_read(dtype: torch.dtype) -> None:
     eng, m = setup(n_reqs=2)
     assert total(run(eng, m, 2)) == 0
