@@ -684,6 +684,18 @@ def test_bad_sink(field_name: str, no_native: None) -> None:
             verify(**dict(base, sink=sink), backend="cpu")
 
 
+def test_validated_sink_is_checked_again_after_a_change() -> None:
+    """Sink.validate remembers the last sink it passed: another device or a replaced tensor is checked again."""
+    sink = Sink.allocate(8)
+    sink.validate(torch.device("cpu"))
+    with pytest.raises(CanaryInputError, match="must be on meta"):
+        sink.validate(torch.device("meta"))
+    sink.validate(torch.device("cpu"))
+    sink.count = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(CanaryInputError, match="ring count"):
+        sink.validate(torch.device("cpu"))
+
+
 def test_bad_objects_and_options(no_native: None) -> None:
     base = _verify_args()
     src = make_sources(random.Random(1), base["group"].halves, base["group"].num_slots)

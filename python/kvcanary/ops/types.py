@@ -109,7 +109,14 @@ class GroupView:
 
     def tags(self, stage: Stage) -> list[int]:
         """Launch tag of each half for one stage."""
-        return [int(LaunchTag.of(stage, Half(h), self.group)) for h in range(self.halves)]
+        key = (stage, self.halves, self.group)
+        got = _TAGS.get(key)
+        if got is None:  # built once per key: enum construction costs microseconds, and every bind asks
+            got = _TAGS[key] = tuple(int(LaunchTag.of(stage, Half(h), self.group)) for h in range(self.halves))
+        return list(got)
+
+
+_TAGS: dict[tuple[Stage, int, Group], tuple[int, ...]] = {}
 
 
 @dataclass
@@ -120,6 +127,9 @@ class Sink:
     count: torch.Tensor  # int64 [1]
     counters: torch.Tensor  # int64 [NUM_LAUNCH_TAGS, NUM_COUNTER_COLS]
     step: torch.Tensor  # int64 [1]
+    # the tensors and device of the last validate that passed (a sink's tensors are fixed once validated, as bound
+    # ops that hold them assume; every bind of a forward's ops validates the same sink)
+    _valid: tuple[object, ...] = field(default=(), init=False, repr=False, compare=False)
 
     @classmethod
     def allocate(cls, capacity: int, device: torch.device | str = "cpu") -> Sink:
@@ -133,10 +143,15 @@ class Sink:
 
     def validate(self, device: torch.device) -> None:
         """Raise CanaryInputError unless every tensor has its contract shape on ``device``."""
+        last = self._valid
+        if last and last[0] is self.rows and last[1] is self.count and last[2] is self.counters and \
+                last[3] is self.step and last[4] == device:
+            return
         check_tensor(self.rows, "ring rows", ndim=2, device=device, shape=(None, NUM_VIOLATION_COLS))
         check_tensor(self.count, "ring count", ndim=1, device=device, shape=(1,))
         check_tensor(self.counters, "counters", ndim=2, device=device, shape=(NUM_LAUNCH_TAGS, NUM_COUNTER_COLS))
         check_tensor(self.step, "step", ndim=1, device=device, shape=(1,))
+        self._valid = (self.rows, self.count, self.counters, self.step, device)
 
     @property
     def capacity(self) -> int:
