@@ -9,12 +9,13 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from kvcanary_schema import NO_SLOT, Group, Half, LaunchTag, RecordField, Stage
+from kvcanary_schema import Group, Half, LaunchTag, Stage
 
 from kvcanary.adapter import BatchView, EngineAdapter, PoolDescription, PrefixCacheExport, TransferBuffer
 from kvcanary.config import CanaryConfig, CanaryMode
 from kvcanary.errors import CanaryInputError, KVCanaryError, KVCanaryInternalError
 from kvcanary.health import Health
+from kvcanary.ops.invalidate import bind_invalidate
 from kvcanary.ops.types import check_backend
 from kvcanary.perturb import Perturber
 from kvcanary.program import DeviceProgram, Op, run
@@ -106,6 +107,8 @@ class CanaryManager:
         self._reports = self.reporter.reports
         self._variants = [self.health.add_variant(self.program.launches(reuse).numpy()) for reuse in (False, True)]
         self._captured: set[tuple[int, int, int]] = set()
+        self._invalidates = [bind_invalidate(g.records, g.spec.reserved_slots, self.backend) for g in self.state.groups
+                             if g.spec.group == Group.FULL]
         self._table: torch.Tensor | None = None
         self._ops: tuple[tuple[Op, ...], tuple[Op, ...]] = ((), ())
         self._reuse = True
@@ -310,24 +313,14 @@ class CanaryManager:
         """Poison the records of freed table-space ``slots`` (FULL groups; SWA slots leave through the map).
 
         A later read of such a slot fails its position and chain checks, which catches use-after-free and a
-        rollback that frees live slots. Reserved slots (and slots outside the pool) are left alone. No host sync.
-        Call outside any graph capture.
+        rollback that frees live slots. Reserved slots (and slots outside the pool) are left alone. ``slots``: int32 or
+        int64 ids on the canary's device, or on the host (an engine's freed ids: on a CUDA device they travel in the
+        launch's parameters). No host sync (the cpu and cuda backends). Call outside any graph capture.
         """
         if not self.enabled:
             return
-        for g in self.state.groups:
-            if g.spec.group != Group.FULL or g.spare is None:
-                continue
-            s, n = slots.to(device=self.state.device, dtype=torch.int64, non_blocking=True), g.spec.num_slots
-            # reserved and out-of-range slots go to the spare row past the slots (a filter would sync with the device):
-            # below the reserved ones, clamped to reserved - 1, then moved up
-            r = g.spec.reserved_slots
-            idx = s.clamp(r - 1, n)
-            idx.masked_fill_(idx < r, n)
-            g.spare.index_fill_(1, idx, 0)  # both buffers (HEAD and TAIL) in one op
-            # no planned position is negative, so any verify of the slot reports VERIFY_POSITION (index_fill_: an
-            # indexed assignment of a Python scalar copies it to the device and syncs)
-            g.spare.select(3, RecordField.POSITION).index_fill_(1, idx, NO_SLOT)
+        for op in self._invalidates:
+            op(slots)
 
     def add_sink(self, sink: ReportSink) -> None:
         """Also send every window to ``sink``."""

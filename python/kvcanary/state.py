@@ -38,6 +38,9 @@ class GroupState:
     spec: GroupSpec
     head: GroupView
     tail: GroupView
+    # the HEAD and TAIL record buffers in one tensor [2, num_slots, H, F] (``head.records`` / ``tail.records``): one
+    # invalidate call poisons a freed slot in both
+    records: torch.Tensor
     plan: torch.Tensor  # int64 [req_capacity, NUM_PLAN_COLS]
     status: torch.Tensor  # int64 [NUM_PLAN_STATUS_COLS]
     stripe_plan: torch.Tensor | None  # WINDOW policy (FULL group): the rotating stripe of older slots
@@ -49,10 +52,6 @@ class GroupState:
     # per write op (HEAD write or seal, TAIL write): its own look-back workspace (ops.write.write_workspace; cuda
     # backend only, none for the others)
     write_workspaces: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-    # the HEAD and TAIL record buffers in one tensor [2, num_slots + 1, H, F], with one spare row past the slots
-    # (``head.records`` / ``tail.records`` are the first num_slots rows of each): where invalidation sends the slots it
-    # must leave alone, so it needs no host sync to filter, and one op poisons a slot in both
-    spare: torch.Tensor | None = None
 
     @property
     def window(self) -> int:
@@ -138,8 +137,8 @@ class CanaryState:
     def _group(self, spec: GroupSpec, status: torch.Tensor) -> GroupState:
         d, cfg = self.device, self.config
         swa_map = spec.swa_map if spec.group == Group.SWA else None
-        spare = _i64(2, spec.num_slots + 1, spec.halves, RECORD_NUM_FIELDS, device=d)
-        head, tail = (GroupView(rows[:spec.num_slots], spec.group, spec.reserved_slots, swa_map) for rows in spare)
+        records = _i64(2, spec.num_slots, spec.halves, RECORD_NUM_FIELDS, device=d)
+        head, tail = (GroupView(rows, spec.group, spec.reserved_slots, swa_map) for rows in records)
         fp = None
         if cfg.fingerprint.value != 0:
             if spec.sources is None:
@@ -163,10 +162,10 @@ class CanaryState:
             return _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), _i64(NUM_PLAN_STATUS_COLS, device=d)
 
         return GroupState(
-            spec, head, tail, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), status,
+            spec, head, tail, records, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), status,
             *plan_buffers(stripe), fp, seal, *plan_buffers(reuse),
             write_workspaces=(write_workspace(cfg.token_capacity, d), write_workspace(cfg.token_capacity, d))
-            if self.backend == "cuda" else (None, None), spare=spare)
+            if self.backend == "cuda" else (None, None))
 
     def transfer_buffers(self) -> list[TransferBuffer]:
         """The canary records to send with the KV in a prefill->decode transfer, indexable by slot."""

@@ -8,13 +8,21 @@ import random
 import torch
 from kvcanary.ops.bookkeep import bind_bookkeep
 from kvcanary.ops.fingerprint import fingerprint
+from kvcanary.ops.invalidate import invalidate
 from kvcanary.ops.plan import plan_forward, plan_roll
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.stage_batch import stage_batch
 from kvcanary.ops.types import Sink, TokenPool
 from kvcanary.ops.verify import verify
 from kvcanary.ops.write import write, write_workspace
-from kvcanary_schema import NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, FingerprintMode, PlanStatusCol, Stage
+from kvcanary_schema import (
+    NUM_PLAN_COLS,
+    NUM_PLAN_STATUS_COLS,
+    RECORD_NUM_FIELDS,
+    FingerprintMode,
+    PlanStatusCol,
+    Stage,
+)
 
 from . import test_cuda_ops as TO
 from . import test_cuda_policy as TP
@@ -94,6 +102,11 @@ def main() -> None:
         vals = torch.randint(0, 9, (rng.randint(1, 3),), device=dev)
         mirror = torch.zeros(vals.shape[0] + 1, dtype=torch.int64).pin_memory()
         bind_bookkeep(tick, tick[:0], tick[:0], "cuda", vals, mirror).frozen()(tick)
+        # freed-slot invalidation: ids in and outside the pool, on the device and on the host
+        slots = rng.randint(0, 60)
+        rec = torch.zeros(rng.randint(1, 2), slots, rng.randint(1, 2), RECORD_NUM_FIELDS, dtype=torch.int64, device=dev)
+        ids = torch.randint(-9, slots + 9, (rng.randint(0, 3000),), dtype=rng.choice([torch.int32, torch.int64]))
+        invalidate(rec, ids if seed % 2 else ids.to(dev), rng.randint(0, slots), "cuda")
         if sc.fp is not None:
             src = fp_to(sc.fp, dev)
             assert src is not None

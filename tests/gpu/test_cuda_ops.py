@@ -11,6 +11,7 @@ import torch
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops.bookkeep import bind_bookkeep
 from kvcanary.ops.fingerprint import fingerprint
+from kvcanary.ops.invalidate import bind_invalidate, invalidate
 from kvcanary.ops.plan import plan_forward, plan_roll, plan_sweep
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.stage_batch import begin_decode, stage_batch
@@ -18,8 +19,10 @@ from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink,
 from kvcanary.ops.verify import verify
 from kvcanary.ops.write import write, write_workspace
 from kvcanary_schema import (
+    INVALIDATE_INLINE_SLOTS,
     NUM_PLAN_COLS,
     NUM_PLAN_STATUS_COLS,
+    RECORD_NUM_FIELDS,
     STAGE_INLINE_ROWS,
     TOKEN_LIMIT,
     FingerprintMode,
@@ -524,6 +527,78 @@ def test_bookkeep_mirror_must_be_pinned() -> None:
     with pytest.raises(ValueError, match="pinned"):
         mod.bookkeep(counter, counter[:0], counter[:0], values, torch.zeros(2, dtype=torch.int64))
     assert int(counter[0]) == 0
+
+
+# ---- invalidate --------------------------------------------------------------------------------------------------
+
+def _records(b: int, s: int, h: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**40, 2**40, (b, s, h, RECORD_NUM_FIELDS), generator=gen, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize(("b", "s", "h", "n"), [(2, 1, 1, 0), (2, 37, 2, 50), (3, 9, 1, INVALIDATE_INLINE_SLOTS),
+                                                (1, 3000, 1, 2 * INVALIDATE_INLINE_SLOTS + 17), (2, 5000, 2, 4000)])
+def test_invalidate_matches(where: str, dtype: torch.dtype, b: int, s: int, h: int, n: int) -> None:
+    """Device ids, and host ids over several launches' parameters (most ids kept: three chunks at n = 1937), against
+    the CPU reference and the CPU op; the torch reference on the device too."""
+    base = _records(b, s, h, seed=s + n)
+    slots = torch.randint(-3, s + 3, (n,), generator=torch.Generator().manual_seed(n)).to(dtype)
+    reserved = min(2, s)
+    want, cpu = base.clone(), base.clone()
+    invalidate(want, slots, reserved, "torch")
+    invalidate(cpu, slots, reserved, "cpu")
+    assert torch.equal(cpu, want)
+    for backend in ("cuda", "torch"):
+        rec = base.to(CUDA)
+        invalidate(rec, slots.to(CUDA) if where == "device" else slots, reserved, backend)
+        assert torch.equal(rec.cpu(), want), backend
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_invalidate_replays_in_a_graph(where: str) -> None:
+    """Captured: device ids are read at each replay; host ids are fixed at capture (they travel in the launch's
+    parameters), so the list may change after the call."""
+    base = _records(2, 64, 2, seed=7).to(CUDA)
+    rec = base.clone()
+    host = torch.tensor([5, 9, 0, 70], dtype=torch.int32)
+    slots = host.to(CUDA) if where == "device" else host
+    op = bind_invalidate(rec, 1, "cuda")
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        op(slots)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(rec, base)  # a capture runs nothing
+    for new in ([11, 12, 1, -4], [63, 64, 3, 3]):
+        slots.copy_(torch.tensor(new, dtype=torch.int32))
+        rec.copy_(base)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = base.cpu()
+        invalidate(want, torch.tensor(new if where == "device" else [5, 9, 0, 70]), 1, "torch")
+        assert torch.equal(rec.cpu(), want)
+
+
+def test_invalidate_bad_input_raises_before_any_launch() -> None:
+    rec = _records(2, 8, 1, seed=1).to(CUDA)
+    was = rec.clone()
+    with pytest.raises(CanaryInputError, match="slots"):
+        invalidate(rec, torch.tensor([1.0], device=CUDA), 0, "cuda")
+    with pytest.raises(CanaryInputError, match="slots"):
+        invalidate(rec.cpu(), torch.tensor([1], device=CUDA), 0, "cpu")
+    from kvcanary import _native  # noqa: PLC0415
+
+    mod = _native.module("cuda")  # the native entry checks them again
+    for records, slots, reserved in ((rec, torch.tensor([1.0]), 0), (rec, torch.tensor([1]), 9),
+                                     (rec, torch.tensor([[1]], device=CUDA), 0), (rec.cpu(), torch.tensor([1]), 0),
+                                     (rec[..., :2], torch.tensor([1]), 0)):
+        with pytest.raises((TypeError, ValueError)):
+            mod.invalidate(records, slots, reserved)
+    torch.cuda.synchronize()
+    assert torch.equal(rec, was)
 
 
 # ---- stage_batch -------------------------------------------------------------------------------------------------

@@ -180,6 +180,30 @@ def test_no_allocations_or_syncs_in_device_parts() -> None:
     assert after == before
 
 
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_invalidate_takes_host_and_device_slots_without_allocating(where: str) -> None:
+    """A freed slot's records are poisoned in both buffers (host ids through the launch's parameters), nothing is
+    allocated, and the next forward reports the slot."""
+    eng, m = _make({})
+    _eager(eng, m)
+    _eager(eng, m)
+    g, r = m.state.groups[0], eng.reqs["r1"]
+    slot, n = int(eng.req_to_token[r.row, 1]), g.spec.num_slots
+    ids = torch.tensor([0, slot, -3, n, n + 7], dtype=torch.int32)  # slot 0 reserved, the others outside the pool
+    ids = ids if where == "host" else ids.to("cuda")
+    before = g.records.clone()
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
+    m.invalidate(ids)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated
+    assert (g.records != before).any(dim=3).any(dim=2).any(dim=0).nonzero().flatten().tolist() == [slot]
+    assert bool((g.records[:, slot, :, RecordField.POSITION] == -1).all())
+    _eager(eng, m)
+    m.flush()
+    hits = [v for rep in m.reports for v in rep.violations if v.slot == slot]
+    assert hits and all(v.request_id == "r1" and FailReason.VERIFY_POSITION in v.reasons for v in hits)
+
+
 def test_violation_window_is_staged_when_its_ring_count_arrives() -> None:
     eng, m = _make({})  # report_interval 16
     for _ in range(5):

@@ -282,7 +282,7 @@ class Engine:
             self.allocator.force_free(pages)
         else:
             self.allocator.free(pages, front)
-        self.hooks.on_free(slots.to(self.device))
+        self.hooks.on_free(slots)  # host ids, as an engine's block manager frees them
 
     def _on_evict(self, slots: torch.Tensor) -> None:
         self.stats.evicted_slots += int(slots.numel())

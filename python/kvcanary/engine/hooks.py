@@ -22,7 +22,7 @@ class EngineHooks(Protocol):
         """Slots were handed to a request."""
 
     def on_free(self, slots: torch.Tensor) -> None:
-        """Slots went back to the free list (finish, retract, eviction, speculative rollback)."""
+        """Slots went back to the free list (finish, retract, eviction, speculative rollback); CPU int64."""
 
 
 class NullHooks:
