@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcanary.errors import CanaryInputError
-from kvcanary.ops.plan import plan_roll
+from kvcanary.ops.plan import derive_roll, plan_roll
 from kvcanary_schema import NO_SLOT, NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, PlanCol, PlanStatusCol
 from test_plan import BIG, i64, oracle_sweep
 
@@ -46,8 +46,9 @@ def oracle_roll(e: Export, m: int, cursor: int, width: int) -> tuple[list[list[i
     chains: list[tuple[int, int, int, int]] = []
     names: list[int] = []
     for i in range(width):
-        k = e.inv[(cursor + i) % m]
-        c = first_past(e.ends, k) if 0 <= k < big and n else n
+        sid = (cursor + i) % m
+        k = e.inv[sid]
+        c = first_past(e.ends, k) if 0 <= k < big and e.slots[k] == sid and n else n
         start = e.starts[c] if c < n else -1
         ok = c < n and 0 <= start == e.ends[c] - max(e.lens[c], 0) and start <= k
         ok = ok and (e.unlocked is None or e.unlocked[c] != 0)
@@ -121,7 +122,7 @@ def _random_export(rng: random.Random) -> tuple[Export, int, int, int]:
     def spoil(xs: list[int], values: list[int]) -> None:  # bad values the op must survive (never read out of bounds)
         if xs and rng.random() < 0.25:
             xs[rng.randrange(len(xs))] = rng.choice(values)
-    spoil(e.inv, [-5, len(e.slots), len(e.slots) + 3, BIG])
+    spoil(e.inv, [-5, len(e.slots), len(e.slots) + 3, BIG, *range(len(e.slots))])  # an index holding another id
     spoil(e.starts, [-1, -BIG, BIG, 1])
     spoil(e.lens, [-2, BIG, 0])
     spoil(e.firsts, [-3, -BIG])
@@ -181,3 +182,88 @@ def test_bad_arguments(backend: str) -> None:
                       ({"unlocked": i64([1, 1])}, "unlocked")):
         with pytest.raises(CanaryInputError, match=msg):
             plan_roll(**{**base, **over}, backend=backend)  # type: ignore[arg-type]
+
+
+# ---- derive_roll -------------------------------------------------------------------------------------------------
+
+def run_derive(backend: str, slots: list[int], lens: list[int], inv: list[int], m: int) -> tuple[list[int], list[int]]:
+    iv, ends = i64(inv), torch.full((len(lens),), 99, dtype=torch.int64)
+    derive_roll(i64(slots), i64(lens), iv, ends, m, backend=backend)
+    return iv.tolist(), ends.tolist()
+
+
+def derive_ok(slots: list[int], lens: list[int], inv: list[int], m: int, got: tuple[list[int], list[int]]) -> None:
+    """The contract: each id in [0, m) maps to one of its indices, every other entry is kept, ends wrap as int64."""
+    got_inv, got_ends = got
+    assert len(got_inv) == len(inv)
+    for sid, k in enumerate(got_inv):
+        held = [j for j, x in enumerate(slots) if x == sid] if sid < m else []
+        assert (k in held) if held else k == inv[sid]
+    run, want = 0, []
+    for x in lens:
+        run = (run + max(x, 0) + 2**63) % 2**64 - 2**63
+        want.append(run)
+    assert got_ends == want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_derive_hand_case(backend: str) -> None:
+    # slot 3 at index 1 and 4 (either), 7 outside m = 6, -2 skipped; inv[5] stays 11 and inv[6] (past m) stays 4
+    got = run_derive(backend, [0, 3, 7, -2, 3, 1], [2, -1, 3, 1], [-1, 9, 8, 8, 8, 11, 4], 6)
+    assert got[0][0] == 0 and got[0][1] == 5 and got[0][2] == 8 and got[0][3] in (1, 4) and got[0][4:] == [8, 11, 4]
+    assert got[1] == [2, 2, 5, 6]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**32))
+def test_derive_property(seed: int) -> None:
+    rng = random.Random(seed)
+    m = rng.randint(1, 30)
+    slots = [rng.randint(-3, m + 3) for _ in range(rng.randint(0, 40))]
+    lens = [rng.choice([rng.randint(-4, 9), BIG, 2**63 - 1]) for _ in range(rng.randint(0, 12))]
+    inv = [rng.randint(-2, 50) for _ in range(m + rng.randint(0, 3))]
+    for backend in BACKENDS:
+        derive_ok(slots, lens, inv, m, run_derive(backend, slots, lens, inv, m))
+
+
+def test_derive_over_an_earlier_export_plans_as_a_fresh_map() -> None:
+    """The inverse map is never cleared: entries an earlier export left are ignored by plan_roll."""
+    rng = random.Random(5)
+    for _ in range(100):
+        older, _, _, _ = _random_export(rng)
+        e, m, cursor, width = _random_export(rng)
+        for backend in BACKENDS:
+            iv, ends = i64((older.inv + [-1] * m)[:m]), torch.zeros(len(e.lens), dtype=torch.int64)
+            derive_roll(i64(e.slots), i64(e.lens), iv, ends, m, backend=backend)
+            fresh = Export(e.slots, e.starts, e.lens, e.firsts, e.prevs, e.unlocked, ends.tolist(), iv.tolist())
+            clean = export_of([], m, [], [])  # the oracle's map: only this export's ids
+            for k, sid in enumerate(e.slots):
+                if 0 <= sid < m:
+                    clean.inv[sid] = k
+            want = oracle_roll(Export(e.slots, e.starts, e.lens, e.firsts, e.prevs, e.unlocked, ends.tolist(),
+                                      clean.inv), m, cursor, width)
+            assert run_roll(backend, fresh, m, cursor, width) == want, backend
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_derive_bad_arguments(backend: str) -> None:
+    base = dict(slots=i64([1, 2]), lens=i64([2]), inv=i64([0] * 4), ends=i64([0]), num_slot_ids=4)
+    for over, msg in (({"num_slot_ids": 5}, "inv"), ({"num_slot_ids": 0}, "num_slot_ids"),
+                      ({"ends": i64([1, 2])}, "ends"), ({"inv": torch.zeros(4, dtype=torch.int32)}, "inv"),
+                      ({"slots": i64([[1]])}, "slots"),
+                      ({"lens": torch.zeros(1)}, "lens"), ({"num_slot_ids": True}, "num_slot_ids")):
+        with pytest.raises(CanaryInputError, match=msg):
+            derive_roll(**{**base, **over}, backend=backend)  # type: ignore[arg-type]
+    assert base["inv"].tolist() == [0] * 4 and base["ends"].tolist() == [0]
+
+
+def test_derive_native_entry_validates_again() -> None:
+    from kvcanary import _native  # noqa: PLC0415
+
+    fn = _native.module("cpu").derive_roll
+    inv, ends = i64([0] * 4), i64([0])
+    for args in ((i64([1]), i64([2]), inv, ends, 5), (i64([1]), i64([2]), inv, i64([0, 0]), 4),
+                 (i64([1]), i64([2]), torch.zeros(4, dtype=torch.int32), ends, 4), (i64([1]), i64([2]), inv, ends, 0)):
+        with pytest.raises((TypeError, ValueError)):
+            fn(*args)
+    assert inv.tolist() == [0] * 4 and ends.tolist() == [0]

@@ -126,7 +126,8 @@ struct RollEntry {
 };
 
 // Read-only views of the export a slice is planned from. inv[s] (s < m) is the flat export index of table slot s
-// (< 0: not cached); ends[c] is the running sum of max(lens, 0) through chain c. Chains must lie back to back
+// (< 0: not cached), taken only where slots[inv[s]] == s (an entry an earlier export left is harmless, so deriving inv
+// from a new export need not clear it); ends[c] is the running sum of max(lens, 0) through chain c. Chains must lie back to back
 // (starts[c] = ends[c] - max(lens[c], 0)): an index inside a chain that does not is not eligible, nor one of a
 // locked chain when `unlocked` is given (non-zero = unlocked). Every read stays inside its array whatever the values.
 struct RollSource {
@@ -146,8 +147,8 @@ struct RollSource {
 // Entry i of the slice starting at table slot id `cursor` (0 <= cursor < m): slot id (cursor + i) mod m.
 KVC_HD RollEntry plan_roll_entry(const RollSource& src, int64_t cursor, int64_t i) {
   const RollEntry none{0, 0, 0, NO_SLOT, -1};
-  const int64_t k = src.inv[(cursor + i) % src.m];
-  if (k < 0 || k >= src.n_slots || src.n == 0) return none;
+  const int64_t s = (cursor + i) % src.m, k = src.inv[s];
+  if (k < 0 || k >= src.n_slots || src.slots[k] != s || src.n == 0) return none;
   int64_t lo = 0, hi = src.n;  // first chain whose end lies past k
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;

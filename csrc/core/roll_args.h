@@ -1,4 +1,4 @@
-// Host checks of the rolling-sweep slice arguments (plan_roll) and the raw view both backends plan from.
+// Host checks of the rolling-sweep slice arguments (derive_roll, plan_roll) and the raw view both backends plan from.
 #pragma once
 
 #include "plan.cuh"
@@ -11,6 +11,22 @@ struct SweepChain {
   int64_t start, len, first_position, prev_slot, expect_end;
 };
 
+inline void check_slot_ids(int64_t num_slot_ids, const TensorView& inv) {
+  TVM_FFI_CHECK(num_slot_ids >= 1, ValueError) << "num_slot_ids must be >= 1, got " << num_slot_ids;
+  TVM_FFI_CHECK(inv.size(0) >= num_slot_ids, ValueError)
+      << "inv has " << inv.size(0) << " entries, needs num_slot_ids = " << num_slot_ids;
+}
+
+// derive_roll: slots int64 [N], lens and ends int64 [n], inv int64 [>= num_slot_ids], contiguous, on one `device`.
+inline void check_derive_roll_args(DLDeviceType device, const TensorView& slots, const TensorView& lens,
+                                   const TensorView& inv, const TensorView& ends, int64_t num_slot_ids) {
+  check_i64_tensor(slots, slots, 1, "slots", "slots");
+  check_device_type(slots, device, "slots");
+  check_chain_arrays(slots, "slots", lens, "lens", {{&ends, "ends"}});
+  check_i64_tensor(inv, slots, 1, "inv", "slots");
+  check_slot_ids(num_slot_ids, inv);
+}
+
 // Validates every export argument of plan_roll (raising ValueError/TypeError naming it) before any launch.
 inline RollSource roll_source(const TensorView& slots, const TensorView& starts, const TensorView& lens,
                               const TensorView& ends, const TensorView& first_positions, const TensorView& prev_slots,
@@ -21,9 +37,7 @@ inline RollSource roll_source(const TensorView& slots, const TensorView& starts,
                                         {&prev_slots, "prev_slots"}});
   check_optional(unlocked, has_unlocked, slots, n, "unlocked", "slots");
   check_i64_tensor(inv, slots, 1, "inv", "slots");
-  TVM_FFI_CHECK(num_slot_ids >= 1, ValueError) << "num_slot_ids must be >= 1, got " << num_slot_ids;
-  TVM_FFI_CHECK(inv.size(0) >= num_slot_ids, ValueError)
-      << "inv has " << inv.size(0) << " entries, needs num_slot_ids = " << num_slot_ids;
+  check_slot_ids(num_slot_ids, inv);
   TVM_FFI_CHECK(cursor >= 0 && cursor < num_slot_ids, ValueError)
       << "cursor must be in [0, " << num_slot_ids << "), got " << cursor;
   return RollSource{static_cast<const int64_t*>(inv.data_ptr()),

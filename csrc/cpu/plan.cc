@@ -13,6 +13,9 @@
 //   plan_sweep(plan, status, slots, starts, lens, first_positions, prev_slots, expect_end, has_expect_end)
 //     slots int64 [N]; starts / lens / first_positions / prev_slots int64 [n] (cap >= n); expect_end int64 [n] or
 //     a 0-element int64 tensor with has_expect_end = 0.
+//   derive_roll(slots, lens, inv, ends, num_slot_ids)
+//     what plan_roll needs of a new export (docs/ops-contract.md 3a): slots int64 [N], lens / ends int64 [n] (ends
+//     written), inv int64 [>= num_slot_ids] (inv[slots[k]] = k where 0 <= slots[k] < num_slot_ids; the rest kept).
 //   plan_roll(plan, status, chain_out, slots, starts, lens, ends, first_positions, prev_slots, unlocked, has_unlocked,
 //             inv, num_slot_ids, cursor)
 //     a rolling-sweep slice of width W = len(chain_out) (docs/ops-contract.md 3a): chain_out int64 [W] (written),
@@ -156,6 +159,18 @@ void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView
   });
 }
 
+void derive_roll(TensorView slots, TensorView lens, TensorView inv, TensorView ends, int64_t num_slot_ids) {
+  check_derive_roll_args(kDLCPU, slots, lens, inv, ends, num_slot_ids);
+  const auto* sl = static_cast<const int64_t*>(slots.data_ptr());
+  auto* iv = static_cast<int64_t*>(inv.data_ptr());
+  for (int64_t k = 0; k < slots.size(0); ++k)
+    if (sl[k] >= 0 && sl[k] < num_slot_ids) iv[sl[k]] = k;
+  const auto* ln = static_cast<const int64_t*>(lens.data_ptr());
+  auto* en = static_cast<int64_t*>(ends.data_ptr());
+  int64_t run = 0;
+  for (int64_t c = 0; c < lens.size(0); ++c) en[c] = run = wrap_add(run, ln[c] > 0 ? ln[c] : 0);
+}
+
 void plan_roll(TensorView plan, TensorView status, TensorView chain_out, TensorView slots, TensorView starts,
                TensorView lens, TensorView ends, TensorView first_positions, TensorView prev_slots, TensorView unlocked,
                int64_t has_unlocked, TensorView inv, int64_t num_slot_ids, int64_t cursor) {
@@ -178,4 +193,5 @@ void plan_roll(TensorView plan, TensorView status, TensorView chain_out, TensorV
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_forward, kvcanary::plan_forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_sweep, kvcanary::plan_sweep);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(derive_roll, kvcanary::derive_roll);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_roll, kvcanary::plan_roll);

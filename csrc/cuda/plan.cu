@@ -1,5 +1,8 @@
-// CUDA plan_forward / plan_sweep (docs/ops-contract.md 2-3): one block scans the batch in chunks of its width.
+// CUDA plan_forward / plan_sweep / derive_roll / plan_roll (docs/ops-contract.md 2-3a): one block scans the batch in
+// chunks of its width.
 #include <tvm/ffi/function.h>
+
+#include <algorithm>
 
 #include "core/plan.cuh"
 #include "core/roll_args.h"
@@ -124,6 +127,34 @@ struct RollChains {
     return SweepChain{e.start, e.len, e.first_position, e.prev_slot, 0};
   }
 };
+
+// derive_roll's inverse map: a slot id held at several indices gets one of them (plan_roll checks slots[inv[s]] == s).
+__global__ void __launch_bounds__(kPlanThreads)
+    derive_inv_kernel(const int64_t* __restrict__ slots, int64_t N, int64_t* __restrict__ inv, int64_t m) {
+  await_prior_kernels();
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * kPlanThreads + threadIdx.x; k < N;
+       k += static_cast<int64_t>(gridDim.x) * kPlanThreads) {
+    const int64_t s = slots[k];
+    if (s >= 0 && s < m) inv[s] = k;
+  }
+}
+
+// derive_roll's running chain ends: one block scans max(lens, 0) in chunks of its width, in uint64 (sums wrap as the
+// CPU op's and torch's do).
+__global__ void __launch_bounds__(kPlanThreads)
+    derive_ends_kernel(const int64_t* __restrict__ lens, int64_t n, int64_t* __restrict__ ends) {
+  await_prior_kernels();
+  __shared__ BlockSumScratch<kPlanThreads, 1, uint64_t> scratch;
+  uint64_t carry = 0;
+  for (int64_t base = 0; base < n; base += kPlanThreads) {
+    const int64_t i = base + threadIdx.x;
+    const uint64_t len = i < n && lens[i] > 0 ? static_cast<uint64_t>(lens[i]) : 0;
+    uint64_t v[1] = {len}, total[1];
+    block_exclusive_sum<kPlanThreads, 1, uint64_t>(v, total, scratch);
+    if (i < n) ends[i] = static_cast<int64_t>(carry + v[0] + len);
+    carry += total[0];
+  }
+}
 
 enum : int { kSSeg = 0, kSVer, kSErr, kSLanes };
 
@@ -254,6 +285,23 @@ void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView
   launch_sweep_plan(plan, status, chains, n, slots.size(0), has_expect_end != 0);
 }
 
+void derive_roll(TensorView slots, TensorView lens, TensorView inv, TensorView ends, int64_t num_slot_ids) {
+  check_derive_roll_args(kDLCUDA, slots, lens, inv, ends, num_slot_ids);
+  const int64_t N = slots.size(0), n = lens.size(0);
+  const DLDevice dev = slots.device();
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  const cudaStream_t stream = stream_of(dev);
+  if (N > 0) {
+    const int64_t grid = std::min<int64_t>(ceil_div(N, kPlanThreads), 8 * static_cast<int64_t>(sm_count(dev.device_id)));
+    launch_kernel(derive_inv_kernel, static_cast<unsigned>(grid), kPlanThreads, stream, dev.device_id,
+                  static_cast<const int64_t*>(slots.data_ptr()), N, static_cast<int64_t*>(inv.data_ptr()), num_slot_ids);
+  }
+  if (n > 0) {
+    launch_kernel(derive_ends_kernel, 1, kPlanThreads, stream, dev.device_id,
+                  static_cast<const int64_t*>(lens.data_ptr()), n, static_cast<int64_t*>(ends.data_ptr()));
+  }
+}
+
 void plan_roll(TensorView plan, TensorView status, TensorView chain_out, TensorView slots, TensorView starts,
                TensorView lens, TensorView ends, TensorView first_positions, TensorView prev_slots, TensorView unlocked,
                int64_t has_unlocked, TensorView inv, int64_t num_slot_ids, int64_t cursor) {
@@ -271,4 +319,5 @@ void plan_roll(TensorView plan, TensorView status, TensorView chain_out, TensorV
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_forward, kvcanary::cuda::plan_forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_sweep, kvcanary::cuda::plan_sweep);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(derive_roll, kvcanary::cuda::derive_roll);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_roll, kvcanary::cuda::plan_roll);

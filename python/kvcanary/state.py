@@ -130,9 +130,8 @@ class CanaryState:
             self.scatter_status = _i64(1, device=d)
         pin = d.type == "cuda"
         self.upload = [torch.zeros(UPLOAD_ROWS, rc, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        # rolling sweep scratch: table slot -> flat export index / chain (last entry: where bad slots land)
-        self.sweep_inv = _i64(pool.num_slots + 1, device=d)
-        self.sweep_chain = _i64(pool.num_slots + 1, device=d)
+        # rolling sweep: table slot -> flat export index (ops.plan.derive_roll)
+        self.sweep_inv = _i64(pool.num_slots, device=d)
 
     def _group(self, spec: GroupSpec, status: torch.Tensor) -> GroupState:
         d, cfg = self.device, self.config

@@ -10,7 +10,7 @@ from kvcanary_schema import Stage
 
 from kvcanary.adapter import PrefixCacheExport
 from kvcanary.ops.bound import BoundOp
-from kvcanary.ops.plan import plan_roll, plan_sweep
+from kvcanary.ops.plan import derive_roll, plan_roll, plan_sweep
 from kvcanary.ops.verify import bind_verify
 from kvcanary.report import CachedChain
 from kvcanary.state import CanaryState
@@ -131,13 +131,9 @@ class Sweeper:
         """Validate a new export and fill the inverse slot map; its running chain ends and unlocked flags (int64)."""
         st = self.state
         export.validate(st.device)
-        sl, m = export.slots, st.pool.num_slots
-        st.sweep_inv.fill_(-1)
-        # slot ids outside [0, m) land in the spare last entry m, which no slice reads: clamped to -1 or m, and
-        # (-1) mod (m + 1) = m
-        st.sweep_inv.index_copy_(0, sl.clamp(-1, m).remainder_(m + 1),
-                                 torch.arange(sl.shape[0], dtype=torch.int64, device=st.device))
-        ends = torch.cumsum(export.lens.clamp(min=0), 0)
+        ends = torch.empty_like(export.lens)
+        # inv keeps what earlier exports left: plan_roll takes an entry only where this export holds its slot there
+        derive_roll(export.slots, export.lens, st.sweep_inv, ends, st.pool.num_slots, backend=self.backend)
         unlocked = export.unlocked.to(torch.int64) if self.unlocked_only and export.unlocked is not None else None
         return ends, unlocked
 

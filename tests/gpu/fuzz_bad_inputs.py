@@ -9,7 +9,7 @@ import torch
 from kvcanary.ops.bookkeep import bind_bookkeep
 from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.invalidate import invalidate
-from kvcanary.ops.plan import plan_forward, plan_roll
+from kvcanary.ops.plan import derive_roll, plan_forward, plan_roll
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.stage_batch import stage_batch
 from kvcanary.ops.types import Sink, TokenPool
@@ -78,6 +78,8 @@ def main() -> None:
         plan_roll(plan, status, torch.zeros(width, dtype=torch.int64, device=dev), t["slots"], t["starts"], t["lens"],
                   t["ends"], t["firsts"], t["prevs"], t["inv"], m, cursor, backend="cuda",
                   unlocked=None if e.unlocked is None else torch.tensor(e.unlocked, dtype=torch.int64, device=dev))
+        slots, lens, inv, m = TO._derive_case(rng)  # inverse map and running ends of a spoiled export
+        derive_roll(slots.to(dev), lens.to(dev), inv.to(dev), torch.zeros_like(lens, device=dev), m, backend="cuda")
         # scatter with bad requests (distinct rows)
         pool = TokenPool(torch.zeros(6, 20, dtype=torch.int64, device=dev), torch.zeros(6, dtype=torch.int64,
                                                                                         device=dev))

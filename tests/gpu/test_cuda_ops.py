@@ -12,7 +12,7 @@ from kvcanary.errors import CanaryInputError
 from kvcanary.ops.bookkeep import bind_bookkeep
 from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.invalidate import bind_invalidate, invalidate
-from kvcanary.ops.plan import plan_forward, plan_roll, plan_sweep
+from kvcanary.ops.plan import derive_roll, plan_forward, plan_roll, plan_sweep
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.stage_batch import begin_decode, stage_batch
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
@@ -190,6 +190,62 @@ def test_plan_roll_matches(seed: int) -> None:
         for a, b in zip(outs["cuda"], outs[other], strict=True):
             assert torch.equal(a, b), other
     assert [x.tolist() for x in outs["cuda"]] == [want[0], want[1], want[2]]
+
+
+def _derive_case(rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """slots (ids in and outside [0, m), repeats), lens (negative, huge: running sums that wrap), a stale inv."""
+    m = rng.choice([7, 3000, 70000])
+    big = 2**63 - 1
+    slots = torch.randint(-3, m + 3, (rng.choice([0, 5, 2000, 100000]),))
+    lens = torch.randint(-4, 10, (rng.choice([0, 1, 511, 513, 5000, 70000]),))
+    if lens.numel() and rng.random() < 0.5:
+        lens[torch.randint(0, lens.numel(), (3,))] = big
+    return slots, lens, torch.randint(-2, 50, (m + rng.randint(0, 2),)), m
+
+
+def _derive_on(dev: str, backend: str, slots: torch.Tensor, lens: torch.Tensor, inv: torch.Tensor,
+               m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    iv, ends = inv.to(dev), torch.full_like(lens, -9, device=dev)
+    derive_roll(slots.to(dev), lens.to(dev), iv, ends, m, backend=backend)
+    return iv.cpu(), ends.cpu()
+
+
+def _assert_derived(got: tuple[torch.Tensor, torch.Tensor], cpu: tuple[torch.Tensor, torch.Tensor],
+                    slots: torch.Tensor) -> None:
+    """ends exactly the CPU op's; inv too, except that a repeated id may name another of its indices."""
+    assert torch.equal(got[1], cpu[1])
+    differ = (got[0] != cpu[0]).nonzero().flatten()
+    k = got[0][differ]
+    assert bool(((k >= 0) & (k < slots.numel())).all()) and torch.equal(slots[k], differ)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_derive_roll_matches(seed: int) -> None:
+    slots, lens, inv, m = _derive_case(random.Random(seed))
+    cpu = _derive_on("cpu", "cpu", slots, lens, inv, m)
+    for backend in ("cuda", "torch"):
+        _assert_derived(_derive_on(CUDA, backend, slots, lens, inv, m), cpu, slots)
+
+
+def test_derive_roll_graph_replay() -> None:
+    """derive_roll captured once, replayed on other contents of the same shapes: as the CPU op on those."""
+    rng = random.Random(9)
+    slots, lens, inv, m = _derive_case(rng)
+    while slots.numel() == 0 or lens.numel() == 0:
+        slots, lens, inv, m = _derive_case(rng)
+    t = [x.to(CUDA) for x in (slots, lens, inv)]
+    ends = torch.zeros_like(t[1])
+    derive_roll(*t, ends, m, backend="cuda")  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        derive_roll(*t, ends, m, backend="cuda")
+    slots2 = torch.randint(-3, m + 3, slots.shape)
+    lens2 = torch.randint(-4, 10, lens.shape)
+    for dst, src in zip(t, (slots2, lens2, inv), strict=True):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_derived((t[2].cpu(), ends.cpu()), _derive_on("cpu", "cpu", slots2, lens2, inv, m), slots2)
 
 
 def test_plan_roll_graph_replay() -> None:

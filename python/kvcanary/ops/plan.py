@@ -152,6 +152,27 @@ def plan_sweep(plan: torch.Tensor, status: torch.Tensor, slots: torch.Tensor, st
                                  int(ee is not None))
 
 
+def derive_roll(slots: torch.Tensor, lens: torch.Tensor, inv: torch.Tensor, ends: torch.Tensor, num_slot_ids: int,
+                backend: str = "torch") -> None:
+    """What :func:`plan_roll` needs of a new export, in one call (docs/ops-contract.md 3a): ``inv[slots[k]] = k`` for
+    every ``k`` with ``0 <= slots[k] < num_slot_ids`` (one such ``k`` where an id repeats; every other entry of ``inv``
+    is kept: plan_roll takes ``inv[s]`` only where ``slots[inv[s]] == s``) and ``ends`` (int64 ``[n]``, written) the
+    running sum of ``max(lens, 0)`` (wrapping as int64 does)."""
+    device = slots.device if isinstance(slots, torch.Tensor) else torch.device("cpu")
+    sl = check_tensor(slots, "slots", ndim=1)
+    ln = check_tensor(lens, "lens", ndim=1, device=device)
+    en = check_tensor(ends, "ends", ndim=1, device=device, shape=(ln.shape[0],))
+    iv = check_tensor(inv, "inv", ndim=1, device=device)
+    m = check_scalar(num_slot_ids, "num_slot_ids", 1)
+    if iv.shape[0] < m:
+        raise CanaryInputError(f"inv has {iv.shape[0]} entries, needs num_slot_ids = {m}")
+    b = check_backend(backend, device)
+    if b == "torch":
+        _derive_roll_torch(sl, ln, iv, en, m)
+        return
+    _native.module(b).derive_roll(sl, ln, iv, en, m)
+
+
 def plan_roll(plan: torch.Tensor, status: torch.Tensor, chain_out: torch.Tensor, slots: torch.Tensor,
               starts: torch.Tensor, lens: torch.Tensor, ends: torch.Tensor, first_positions: torch.Tensor,
               prev_slots: torch.Tensor, inv: torch.Tensor, num_slot_ids: int, cursor: int, *,
@@ -160,7 +181,8 @@ def plan_roll(plan: torch.Tensor, status: torch.Tensor, chain_out: torch.Tensor,
 
     The export (``slots [N]``, per chain ``starts``, ``lens``, ``first_positions``, ``prev_slots`` and the optional
     ``unlocked``, int64 ``[n]``) comes with ``ends`` (running sum of ``max(lens, 0)``) and ``inv`` (int64
-    ``[>= num_slot_ids]``: flat export index of each table slot, < 0 = not cached), both derived once per export.
+    ``[>= num_slot_ids]``: flat export index of each table slot, taken only where ``slots[inv[s]] == s``), both
+    derived once per export (:func:`derive_roll`).
     Slice entry i becomes a one-slot sweep chain (or an empty one) and ``chain_out[i]`` its export chain (-1 = none);
     verify the plan with ``table = slots.view(1, N)``.
     """
@@ -324,6 +346,15 @@ def _first_past(ends: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         lo = torch.where(active & ~past, mid + 1, lo)
 
 
+def _derive_roll_torch(slots: torch.Tensor, lens: torch.Tensor, inv: torch.Tensor, ends: torch.Tensor, m: int) -> None:
+    """No host sync: ids outside [0, m) go to a spare entry past a copy of inv[:m]."""
+    idx = torch.where((slots >= 0) & (slots < m), slots, m)
+    full = torch.cat([inv[:m], inv.new_zeros(1)])
+    full.index_copy_(0, idx, torch.arange(slots.shape[0], dtype=torch.int64, device=slots.device))
+    inv[:m].copy_(full[:m])
+    ends.copy_(torch.cumsum(lens.clamp(min=0), 0))
+
+
 def _plan_roll_torch(plan: torch.Tensor, status: torch.Tensor, chain_out: torch.Tensor, slots: torch.Tensor,
                      starts: torch.Tensor, lens: torch.Tensor, ends: torch.Tensor, first_positions: torch.Tensor,
                      prev_slots: torch.Tensor, unlocked: torch.Tensor | None, inv: torch.Tensor, m: int,
@@ -333,6 +364,8 @@ def _plan_roll_torch(plan: torch.Tensor, status: torch.Tensor, chain_out: torch.
     k = inv[ids]
     ok = (k >= 0) & (k < big) & (n > 0)
     kc = torch.where(ok, k, 0)
+    if big:
+        ok &= slots[kc] == ids
     chain = _first_past(ends, kc) if n else torch.zeros_like(k)
     ok &= chain < n
     c = chain.clamp(max=max(n - 1, 0))
