@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcanary.errors import CanaryInputError
-from kvcanary.ops.plan import derive_roll, plan_roll
+from kvcanary.ops.plan import bind_plan_roll, derive_roll, plan_roll
 from kvcanary_schema import NO_SLOT, NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, PlanCol, PlanStatusCol
 from test_plan import BIG, i64, oracle_sweep
 
@@ -182,6 +182,27 @@ def test_bad_arguments(backend: str) -> None:
                       ({"unlocked": i64([1, 1])}, "unlocked")):
         with pytest.raises(CanaryInputError, match=msg):
             plan_roll(**{**base, **over}, backend=backend)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bound_planner_takes_each_cursor(backend: str) -> None:
+    """bind_plan_roll checks the export once; each call plans the slice of its cursor, as plan_roll does."""
+    rng = random.Random(11)
+    e, m, _, width = _random_export(rng)
+    width = max(width, 1)
+    plan, status = torch.zeros(width, NUM_PLAN_COLS, dtype=torch.int64), torch.zeros(NUM_PLAN_STATUS_COLS,
+                                                                                      dtype=torch.int64)
+    chain_out = torch.zeros(width, dtype=torch.int64)
+    run = bind_plan_roll(plan, status, chain_out, i64(e.slots), i64(e.starts), i64(e.lens), i64(e.ends),
+                         i64(e.firsts), i64(e.prevs), i64(e.inv), m,
+                         unlocked=None if e.unlocked is None else i64(e.unlocked), backend=backend)
+    for cursor in (0, m - 1, m // 2):
+        run(cursor)
+        n = int(status[PlanStatusCol.NUM_SEGMENTS])
+        assert (plan[:n].tolist(), status.tolist(), chain_out.tolist()) == oracle_roll(e, m, cursor, width)
+    for bad in (m, -1, True, 1.0):
+        with pytest.raises(CanaryInputError, match="cursor"):
+            run(bad)  # type: ignore[arg-type]
 
 
 # ---- derive_roll -------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,7 @@ from kvcanary_schema import Stage
 
 from kvcanary.adapter import PrefixCacheExport
 from kvcanary.ops.bound import BoundOp
-from kvcanary.ops.plan import derive_roll, plan_roll, plan_sweep
+from kvcanary.ops.plan import bind_plan_roll, derive_roll, plan_sweep
 from kvcanary.ops.verify import bind_verify
 from kvcanary.report import CachedChain
 from kvcanary.state import CanaryState
@@ -71,8 +72,8 @@ class Sweeper:
         # rolling sweep: the export chain of each slice entry (a slice past the pool would verify slots twice)
         width = min(state.config.sweep_slice * state.config.sweep_roll_interval, state.pool.num_slots)
         self.chain_out = torch.zeros(width, dtype=torch.int64, device=state.device)
-        # the last export rolled over and what the slice plan derives from it (running ends, unlocked flags)
-        self._derived: tuple[PrefixCacheExport, torch.Tensor, torch.Tensor | None] | None = None
+        # the last export rolled over and its slice planner (bound on what derive_roll derived from it)
+        self._derived: tuple[PrefixCacheExport, Callable[[int], None]] | None = None
         self._verifies = self._bind_verifies()
 
     def run(self, export: PrefixCacheExport) -> int:
@@ -110,11 +111,8 @@ class Sweeper:
         if export.slots.shape[0] == 0 or export.num_chains == 0:
             return None
         if self._derived is None or self._derived[0] is not export:
-            self._derived = (export, *self._derive(export))
-        _, ends, unlocked = self._derived
-        plan_roll(st.sweep_plan, st.sweep_status, self.chain_out, export.slots, export.starts, export.lens, ends,
-                  export.first_positions, export.prev_slots, st.sweep_inv, m, cursor, unlocked=unlocked,
-                  backend=self.backend)
+            self._derived = (export, self._derive(export))
+        self._derived[1](cursor)
         self._verify(export.slots)
         self.launched += 1
         self.slices += 1
@@ -127,15 +125,18 @@ class Sweeper:
         one = torch.ones(1, dtype=torch.int64, device=self.state.device)
         self._derive(PrefixCacheExport(one - 1, one - 1, one, one - 1, -one, one.to(torch.bool)))
 
-    def _derive(self, export: PrefixCacheExport) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Validate a new export and fill the inverse slot map; its running chain ends and unlocked flags (int64)."""
+    def _derive(self, export: PrefixCacheExport) -> Callable[[int], None]:
+        """Validate a new export, fill the inverse slot map and its running chain ends: its slice planner (takes the
+        cursor)."""
         st = self.state
         export.validate(st.device)
         ends = torch.empty_like(export.lens)
         # inv keeps what earlier exports left: plan_roll takes an entry only where this export holds its slot there
         derive_roll(export.slots, export.lens, st.sweep_inv, ends, st.pool.num_slots, backend=self.backend)
         unlocked = export.unlocked.to(torch.int64) if self.unlocked_only and export.unlocked is not None else None
-        return ends, unlocked
+        return bind_plan_roll(st.sweep_plan, st.sweep_status, self.chain_out, export.slots, export.starts, export.lens,
+                              ends, export.first_positions, export.prev_slots, st.sweep_inv, st.pool.num_slots,
+                              unlocked=unlocked, backend=self.backend)
 
     def _bind_verifies(self) -> list[BoundOp]:
         """The sweep plan's verifies (TAIL + fingerprint, HEAD + seal per group), checked once: only the export's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from kvcanary_schema import NO_SLOT, NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, PlanCol, PlanFlag, PlanStatusCol
 
@@ -173,6 +175,41 @@ def derive_roll(slots: torch.Tensor, lens: torch.Tensor, inv: torch.Tensor, ends
     _native.module(b).derive_roll(sl, ln, iv, en, m)
 
 
+def bind_plan_roll(plan: torch.Tensor, status: torch.Tensor, chain_out: torch.Tensor, slots: torch.Tensor,
+                   starts: torch.Tensor, lens: torch.Tensor, ends: torch.Tensor, first_positions: torch.Tensor,
+                   prev_slots: torch.Tensor, inv: torch.Tensor, num_slot_ids: int, *,
+                   unlocked: torch.Tensor | None = None, backend: str = "torch") -> Callable[[int], None]:
+    """:func:`plan_roll`'s arguments but the cursor checked once (an export's slices differ only in their cursor): a
+    call that plans the slice from the cursor it is given."""
+    device = slots.device if isinstance(slots, torch.Tensor) else torch.device("cpu")
+    sl = check_tensor(slots, "slots", ndim=1)
+    st = check_tensor(starts, "starts", ndim=1, device=device)
+    n = st.shape[0]
+    named = ((lens, "lens"), (ends, "ends"), (first_positions, "first_positions"), (prev_slots, "prev_slots"))
+    ln, en, fp, pv = (check_tensor(t, name, ndim=1, device=device, shape=(n,)) for t, name in named)
+    un = None if unlocked is None else check_tensor(unlocked, "unlocked", ndim=1, device=device, shape=(n,))
+    co = check_tensor(chain_out, "chain_out", ndim=1, device=device)
+    iv = check_tensor(inv, "inv", ndim=1, device=device)
+    m = check_scalar(num_slot_ids, "num_slot_ids", 1)
+    if iv.shape[0] < m:
+        raise CanaryInputError(f"inv has {iv.shape[0]} entries, needs num_slot_ids = {m}")
+    p, s = check_plan_buffers(plan, status, device)
+    if p.shape[0] < co.shape[0]:
+        raise CanaryInputError(f"plan has {p.shape[0]} rows, the slice has {co.shape[0]} entries")
+    b = check_backend(backend, device)
+    native = None if b == "torch" else _native.module(b).plan_roll
+    tail = (empty_i64(device) if un is None else un, int(un is not None), iv, m)
+
+    def run(cursor: int) -> None:
+        if isinstance(cursor, bool) or not isinstance(cursor, int) or not 0 <= cursor < m:
+            raise CanaryInputError(f"cursor must be an int in [0, {m}), got {cursor!r}")
+        if native is None:
+            _plan_roll_torch(p, s, co, sl, st, ln, en, fp, pv, un, iv, m, cursor)
+        else:  # torch tensors, not pre-converted: tvm-ffi takes torch's current stream from them
+            native(p, s, co, sl, st, ln, en, fp, pv, *tail, cursor)
+    return run
+
+
 def plan_roll(plan: torch.Tensor, status: torch.Tensor, chain_out: torch.Tensor, slots: torch.Tensor,
               starts: torch.Tensor, lens: torch.Tensor, ends: torch.Tensor, first_positions: torch.Tensor,
               prev_slots: torch.Tensor, inv: torch.Tensor, num_slot_ids: int, cursor: int, *,
@@ -186,30 +223,8 @@ def plan_roll(plan: torch.Tensor, status: torch.Tensor, chain_out: torch.Tensor,
     Slice entry i becomes a one-slot sweep chain (or an empty one) and ``chain_out[i]`` its export chain (-1 = none);
     verify the plan with ``table = slots.view(1, N)``.
     """
-    device = slots.device if isinstance(slots, torch.Tensor) else torch.device("cpu")
-    sl = check_tensor(slots, "slots", ndim=1)
-    st = check_tensor(starts, "starts", ndim=1, device=device)
-    n = st.shape[0]
-    named = ((lens, "lens"), (ends, "ends"), (first_positions, "first_positions"), (prev_slots, "prev_slots"))
-    ln, en, fp, pv = (check_tensor(t, name, ndim=1, device=device, shape=(n,)) for t, name in named)
-    un = None if unlocked is None else check_tensor(unlocked, "unlocked", ndim=1, device=device, shape=(n,))
-    co = check_tensor(chain_out, "chain_out", ndim=1, device=device)
-    iv = check_tensor(inv, "inv", ndim=1, device=device)
-    m = check_scalar(num_slot_ids, "num_slot_ids", 1)
-    if iv.shape[0] < m:
-        raise CanaryInputError(f"inv has {iv.shape[0]} entries, needs num_slot_ids = {m}")
-    cursor = check_scalar(cursor, "cursor", 0)
-    if cursor >= m:
-        raise CanaryInputError(f"cursor must be < num_slot_ids = {m}, got {cursor}")
-    p, s = check_plan_buffers(plan, status, device)
-    if p.shape[0] < co.shape[0]:
-        raise CanaryInputError(f"plan has {p.shape[0]} rows, the slice has {co.shape[0]} entries")
-    b = check_backend(backend, device)
-    if b == "torch":
-        _plan_roll_torch(p, s, co, sl, st, ln, en, fp, pv, un, iv, m, cursor)
-        return
-    _native.module(b).plan_roll(p, s, co, sl, st, ln, en, fp, pv, empty_i64(device) if un is None else un,
-                                int(un is not None), iv, m, cursor)
+    bind_plan_roll(plan, status, chain_out, slots, starts, lens, ends, first_positions, prev_slots, inv, num_slot_ids,
+                   unlocked=unlocked, backend=backend)(cursor)
 
 
 # ---- torch reference -------------------------------------------------------------------------------------------
