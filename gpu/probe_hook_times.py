@@ -43,10 +43,10 @@ for hook in ("before_forward", "after_forward", "on_free"):
     timed(ec.EngineCanary, hook, CALLS)
 for step in ("begin_forward", "pre_forward", "post_forward", "end_forward", "invalidate", "_roll", "sweep"):
     timed(mg.CanaryManager, step, STEPS)
-for step in ("_derive", "_verify"):  # the rolling sweep's parts, beside the export and the slice plan
+for step in ("_derive", "_verify"):  # the rolling sweep's parts beside the export (_derive binds the slice planner)
     timed(sw.Sweeper, step, STEPS)
 timed(ec.EngineCanary, "_export", STEPS)
-timed(sw, "plan_roll", STEPS)
+timed(sw, "derive_roll", STEPS)
 for owner, step in ((mg.CanaryManager, "_begin"), (mg.CanaryManager, "_begin_steady"), (mg.CanaryManager, "_begun"),
                     (up.Upload, "begin"), (up.Upload, "_truth"), (up.Upload, "_claim"), (up.Upload, "_staged"),
                     (ad.BatchView, "validate_arrays"), (tr.RowChains, "forward"), (sb.BatchStager, "__call__"),
