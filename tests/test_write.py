@@ -16,7 +16,7 @@ from kvcanary.ops import hashes as H
 from kvcanary.ops.fingerprint import fingerprint as fp_op
 from kvcanary.ops.plan import plan_forward
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
-from kvcanary.ops.write import powers, write, write_workspace
+from kvcanary.ops.write import bind_write, powers, write, write_target, write_workspace
 from kvcanary.truth import ChainHasher
 from kvcanary_schema import (
     NO_SLOT,
@@ -561,6 +561,33 @@ def test_wrapper_rejects_bad_arguments(change: dict[str, object], match: str) ->
     args.update(change)
     with pytest.raises(CanaryInputError, match=match):
         write(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_shared_target_binds_each_shape_as_a_fresh_bind(backend: str) -> None:
+    """One write_target (checked and, natively, converted once) bound at several token counts writes what a fresh
+    bind_write of each writes; the per-shape arguments are still checked."""
+    case = make_case(5, fp=True)
+    n = case.ids.shape[0]
+    outs = []
+    for shared in (True, False):
+        g = GroupView(case.group.records.clone(), case.group.group, case.group.reserved_slots, case.group.swa_map)
+        sink = Sink.allocate(4096)
+        target = write_target(g, case.stage, case.status, case.table, sink, checks=case.checks,
+                              token_pool=case.pool, fingerprint=case.fp, backend=backend).frozen()
+        for k in (n // 2, n, 0):
+            tokens = (case.ids[:k], case.pos[:k], case.loc[:k])
+            op = target.bind(case.plan, *tokens) if shared else bind_write(
+                g, case.stage, case.plan, case.status, case.table, *tokens, sink, checks=case.checks,
+                token_pool=case.pool, fingerprint=case.fp, backend=backend)
+            op.frozen()(case.table)
+        outs.append((g.records, ring_rows(sink), sink.counters))
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] and torch.equal(outs[0][2], outs[1][2])
+    for bad, match in (((torch.zeros(4, 3, dtype=torch.int64), case.ids, case.pos, case.loc), "plan"),
+                       ((case.plan, case.ids, case.pos[:-1], case.loc), "positions"),
+                       ((case.plan, case.ids.float(), case.pos, case.loc), "input_ids")):
+        with pytest.raises(CanaryInputError, match=match):
+            target.bind(*bad)
 
 
 def test_fingerprint_rejected_when_too_small() -> None:

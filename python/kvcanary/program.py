@@ -19,7 +19,7 @@ from kvcanary.ops.bookkeep import bind_bookkeep
 from kvcanary.ops.bound import BoundOp
 from kvcanary.ops.plan import bind_plan_forward
 from kvcanary.ops.verify import bind_verify
-from kvcanary.ops.write import bind_write
+from kvcanary.ops.write import WriteTarget, write_target
 from kvcanary.state import CanaryState, GroupState
 
 Op = Callable[[torch.Tensor], None]  # one step of a stage: takes the forward's slot table
@@ -31,6 +31,14 @@ V = TypeVar("V")
 def bucket(n: int, capacity: int) -> int:
     """``n`` rounded up to a power of two, at most ``capacity`` (and never below ``n``; 0 stays 0)."""
     return max(n, min(1 << (n - 1).bit_length(), capacity)) if n > 1 else n
+
+
+def memo(cache: dict[K, V], key: K, build: Callable[[], V]) -> V:
+    """``cache[key]``, built by ``build()`` and kept on a miss."""
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = build()
+    return got
 
 
 class Lazy(dict[K, V]):
@@ -126,8 +134,10 @@ class DeviceProgram:
         # the graph variant's branch (the seal beside the TAIL ops in a captured graph)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self._ticks = (self._bind_tick(False), self._bind_tick(True))
-        # (group, plan rows, role) -> the verify ops every shape of those rows shares (a handful of row buckets)
+        # (group, plan rows, role) -> the verify ops every shape of those rows shares (a handful of row buckets);
+        # (group, stage) -> the part of its write every shape shares
         self._verify_ops: dict[tuple[int, int, str], list[Op]] = {}
+        self._write_targets: dict[tuple[int, Stage], WriteTarget] = {}
 
     def bound_shape(self, bs: int, nt: int) -> Shape:
         """The shape a (bs, nt) batch runs at: each rounded up to a power of two within the capacities, so that an
@@ -220,11 +230,8 @@ class DeviceProgram:
                                      reuse=reuse, backend=b).frozen()
 
         def write(stage: Stage) -> Op:
-            checks = self._checks | (self._structural if stage == Stage.HEAD and gi == 0 else 0)
-            return bind_write(g.views(stage), stage, fwd_plan, g.status, table, st.input_ids[:nt], st.positions[:nt],
-                              st.out_cache_loc[:nt], st.sink, checks=checks, token_pool=st.token_pool,
-                              fingerprint=g.fingerprint if stage == Stage.TAIL else g.seal, table_page=page,
-                              workspace=g.write_workspaces[stage == Stage.TAIL], backend=b).frozen()
+            target = memo(self._write_targets, (gi, stage), lambda: self._write_target(g, gi, stage, table))
+            return target.bind(fwd_plan, st.input_ids[:nt], st.positions[:nt], st.out_cache_loc[:nt]).frozen()
 
         def stripe() -> list[Op]:
             if g.stripe_plan is None or g.stripe_status is None:
@@ -252,11 +259,18 @@ class DeviceProgram:
     def _verifies(self, gi: int, rows: int, role: str, table: torch.Tensor) -> list[Op]:
         """The verify ops of group ``gi``'s ``role`` (head, tail_verify, reuse_verify) for batches of ``rows`` plan
         rows: they depend on nothing else of the shape, so every shape of those rows shares them."""
-        key = (gi, rows, role)
-        got = self._verify_ops.get(key)
-        if got is None:
-            got = self._verify_ops[key] = self._bind_verifies(self.state.groups[gi], rows, role, table)
-        return got
+        return memo(self._verify_ops, (gi, rows, role),
+                    lambda: self._bind_verifies(self.state.groups[gi], rows, role, table))
+
+    def _write_target(self, g: GroupState, gi: int, stage: Stage, table: torch.Tensor) -> WriteTarget:
+        """Group ``gi``'s write of ``stage`` but its plan rows and tokens: checked and converted once, shared by every
+        shape (the structural check runs in the first group's HEAD write)."""
+        st = self.state
+        checks = self._checks | (self._structural if stage == Stage.HEAD and gi == 0 else 0)
+        return write_target(g.views(stage), stage, g.status, table, st.sink, checks=checks, token_pool=st.token_pool,
+                            fingerprint=g.fingerprint if stage == Stage.TAIL else g.seal,
+                            table_page=self.pool.table_page, workspace=g.write_workspaces[stage == Stage.TAIL],
+                            backend=self.backend).frozen()
 
     def _window(self, g: GroupState) -> int:
         """The forward plan's window: WINDOW coverage, the newest links; an SWA group, its window; else 0, every

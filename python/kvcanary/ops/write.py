@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
 import torch
 from kvcanary_schema import (
     CHAIN_BASE,
     NO_SLOT,
+    NUM_PLAN_COLS,
+    NUM_PLAN_STATUS_COLS,
     SKIP_TOKEN,
     CounterCol,
     FailReason,
@@ -24,7 +30,7 @@ from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
 from kvcanary.ops.bound import BoundOp
 from kvcanary.ops.fingerprint import check_fingerprint, fingerprint_torch
-from kvcanary.ops.plan import check_plan_buffers, check_table_page, empty_i64
+from kvcanary.ops.plan import check_table_page, empty_i64
 from kvcanary.ops.shared import append_rows, record_link, resolve_slots, table_slots, violation_rows
 from kvcanary.ops.types import Fingerprint, GroupView, Sink, TokenPool, check_backend, check_tensor
 
@@ -66,22 +72,51 @@ def write_workspace(max_tokens: int, device: torch.device | str) -> torch.Tensor
     return torch.zeros(size, dtype=torch.int64, device=device)
 
 
-def bind_write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
-               input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, sink: Sink, *,
-               checks: int = 0, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
-               table_page: int = 1, workspace: torch.Tensor | None = None, backend: str = "torch") -> BoundOp:
-    """:func:`write`'s arguments checked once: a call taking the slot table (see :class:`BoundOp`)."""
+@dataclass(frozen=True)
+class WriteTarget:
+    """Everything of a write but the batch's plan rows and tokens, checked once (:func:`write_target`): the records,
+    status, sink, options and the slot table's contract. Every batch shape an engine binds shares it."""
+
+    fn: Callable[..., Any]
+    before: tuple[Any, ...]  # the arguments before the plan
+    status: Any
+    after: tuple[Any, ...]  # the arguments after the tokens
+    native: bool
+    device: torch.device
+
+    def bind(self, plan: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+             out_cache_loc: torch.Tensor) -> BoundOp:
+        """The write of one batch shape: its plan rows and token tensors checked, a call taking the slot table."""
+        p = check_tensor(plan, "plan", ndim=2, device=self.device, shape=(None, NUM_PLAN_COLS))
+        ids = check_tensor(input_ids, "input_ids", ndim=1, device=self.device)
+        pos = check_tensor(positions, "positions", ndim=1, device=self.device, shape=(ids.shape[0],))
+        loc = check_tensor(out_cache_loc, "out_cache_loc", ndim=1, device=self.device, shape=(ids.shape[0],))
+        if self.native:
+            return BoundOp(self.fn, (*self.before, p, self.status), (ids, pos, loc, *self.after), native=True)
+        page, *rest = self.after
+        return BoundOp(self.fn, (*self.before, p, self.status), (page, ids, pos, loc, *rest))
+
+    def frozen(self) -> WriteTarget:
+        """Native targets: their torch tensors pre-converted once (see :meth:`BoundOp.frozen`)."""
+        if not self.native:
+            return self
+        conv = BoundOp(self.fn, (*self.before, self.status), self.after, True).frozen()
+        return replace(self, before=conv.before[:-1], status=conv.before[-1], after=conv.after)
+
+
+def write_target(group: GroupView, stage: Stage, status: torch.Tensor, table: torch.Tensor, sink: Sink, *,
+                 checks: int = 0, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
+                 table_page: int = 1, workspace: torch.Tensor | None = None, backend: str = "torch") -> WriteTarget:
+    """:func:`write`'s arguments but the plan rows and the tokens, checked once (``table`` stands for the tables the
+    bound calls will take: see :class:`BoundOp`)."""
     if not isinstance(group, GroupView):
         raise CanaryInputError(f"group must be a GroupView, got {type(group).__name__}")
     if stage not in (Stage.HEAD, Stage.TAIL):
         raise CanaryInputError(f"write stage must be Stage.HEAD or Stage.TAIL, got {stage!r}")
     device = group.records.device
-    p, s = check_plan_buffers(plan, status, device)
+    s = check_tensor(status, "status", ndim=1, device=device, shape=(NUM_PLAN_STATUS_COLS,))
     tbl = check_tensor(table, "table", dtype=(torch.int32, torch.int64), ndim=2, device=device)
     page = check_table_page(tbl, table_page)
-    ids = check_tensor(input_ids, "input_ids", ndim=1, device=device)
-    pos = check_tensor(positions, "positions", ndim=1, device=device, shape=(ids.shape[0],))
-    loc = check_tensor(out_cache_loc, "out_cache_loc", ndim=1, device=device, shape=(ids.shape[0],))
     if not isinstance(sink, Sink):
         raise CanaryInputError(f"sink must be a Sink, got {type(sink).__name__}")
     sink.validate(device)
@@ -96,17 +131,28 @@ def bind_write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch
     tags = group.tags(stage)
     b = check_backend(backend, device)
     if b == "torch":
-        return BoundOp(_write_torch, (group, tags, p, s), (page, ids, pos, loc, sink, checks, token_pool, fingerprint))
+        return WriteTarget(_write_torch, (group, tags), s, (page, sink, checks, token_pool, fingerprint), False,
+                           device)
     e = empty_i64(device)
-    return BoundOp(_native.module(b).write, (
+    return WriteTarget(_native.module(b).write, (
         group.records, e if group.swa_map is None else group.swa_map, int(group.swa_map is not None),
-        group.reserved_slots, tags[0], tags[1] if len(tags) > 1 else -1, p, s), (
-        ids, pos, loc, sink.rows, sink.count, sink.counters, sink.step, checks,
+        group.reserved_slots, tags[0], tags[1] if len(tags) > 1 else -1), s, (
+        sink.rows, sink.count, sink.counters, sink.step, checks,
         e if token_pool is None else token_pool.tokens, e if token_pool is None else token_pool.lens,
         int(token_pool is not None), 0 if token_pool is None else token_pool.offset,
         e if fingerprint is None else fingerprint.sources.table,
         int(FingerprintMode.NONE) if fingerprint is None else int(fingerprint.mode),
-        1 if fingerprint is None else fingerprint.layer_stride, page, ws), native=True)
+        1 if fingerprint is None else fingerprint.layer_stride, page, ws), True, device)
+
+
+def bind_write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
+               input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, sink: Sink, *,
+               checks: int = 0, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
+               table_page: int = 1, workspace: torch.Tensor | None = None, backend: str = "torch") -> BoundOp:
+    """:func:`write`'s arguments checked once: a call taking the slot table (see :class:`BoundOp`)."""
+    return write_target(group, stage, status, table, sink, checks=checks, token_pool=token_pool,
+                        fingerprint=fingerprint, table_page=table_page, workspace=workspace,
+                        backend=backend).bind(plan, input_ids, positions, out_cache_loc)
 
 
 # ---- torch reference -------------------------------------------------------------------------------------------
