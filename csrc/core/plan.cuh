@@ -127,9 +127,10 @@ struct RollEntry {
 
 // Read-only views of the export a slice is planned from. inv[s] (s < m) is the flat export index of table slot s
 // (< 0: not cached), taken only where slots[inv[s]] == s (an entry an earlier export left is harmless, so deriving inv
-// from a new export need not clear it); ends[c] is the running sum of max(lens, 0) through chain c. Chains must lie back to back
-// (starts[c] = ends[c] - max(lens[c], 0)): an index inside a chain that does not is not eligible, nor one of a
-// locked chain when `unlocked` is given (non-zero = unlocked). Every read stays inside its array whatever the values.
+// from a new export need not clear it); ends[c] is the running sum of max(lens, 0) through chain c. Chains must lie
+// back to back (starts[c] = ends[c] - max(lens[c], 0)): an index inside a chain that does not is not eligible, nor one
+// of a locked chain when `unlocked` is given (non-zero = unlocked). Every read stays inside its array whatever the
+// values.
 struct RollSource {
   const int64_t* inv;
   int64_t m;  // table slot ids: inv has at least m entries

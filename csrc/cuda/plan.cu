@@ -292,9 +292,11 @@ void derive_roll(TensorView slots, TensorView lens, TensorView inv, TensorView e
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const cudaStream_t stream = stream_of(dev);
   if (N > 0) {
-    const int64_t grid = std::min<int64_t>(ceil_div(N, kPlanThreads), 8 * static_cast<int64_t>(sm_count(dev.device_id)));
+    const int64_t grid =
+        std::min<int64_t>(ceil_div(N, kPlanThreads), 8 * static_cast<int64_t>(sm_count(dev.device_id)));
     launch_kernel(derive_inv_kernel, static_cast<unsigned>(grid), kPlanThreads, stream, dev.device_id,
-                  static_cast<const int64_t*>(slots.data_ptr()), N, static_cast<int64_t*>(inv.data_ptr()), num_slot_ids);
+                  static_cast<const int64_t*>(slots.data_ptr()), N, static_cast<int64_t*>(inv.data_ptr()),
+                  num_slot_ids);
   }
   if (n > 0) {
     launch_kernel(derive_ends_kernel, 1, kPlanThreads, stream, dev.device_id,

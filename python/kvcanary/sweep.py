@@ -120,8 +120,8 @@ class Sweeper:
 
     def warm_up(self) -> None:
         """Derive once from a one-slot export, so that a CUDA process loads the derive's kernels now and not inside
-        the first forward that rolls (40-44 ms of lazy module loading on an H100). Leaves nothing behind: every
-        derive rewrites the whole inverse map first, and nothing is kept."""
+        the first forward that rolls (40-44 ms of lazy module loading on an H100). Keeps nothing; the one map entry
+        it writes (slot 0 at index 0) is ignored by any later slice whose export does not hold slot 0 there."""
         one = torch.ones(1, dtype=torch.int64, device=self.state.device)
         self._derive(PrefixCacheExport(one - 1, one - 1, one, one - 1, -one, one.to(torch.bool)))
 

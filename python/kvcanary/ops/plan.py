@@ -154,6 +154,15 @@ def plan_sweep(plan: torch.Tensor, status: torch.Tensor, slots: torch.Tensor, st
                                  int(ee is not None))
 
 
+def _check_inv(inv: object, num_slot_ids: object, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The rolling sweep's inverse slot map (int64, at least ``num_slot_ids`` >= 1 entries) and that count."""
+    iv = check_tensor(inv, "inv", ndim=1, device=device)
+    m = check_scalar(num_slot_ids, "num_slot_ids", 1)
+    if iv.shape[0] < m:
+        raise CanaryInputError(f"inv has {iv.shape[0]} entries, needs num_slot_ids = {m}")
+    return iv, m
+
+
 def derive_roll(slots: torch.Tensor, lens: torch.Tensor, inv: torch.Tensor, ends: torch.Tensor, num_slot_ids: int,
                 backend: str = "torch") -> None:
     """What :func:`plan_roll` needs of a new export, in one call (docs/ops-contract.md 3a): ``inv[slots[k]] = k`` for
@@ -164,10 +173,7 @@ def derive_roll(slots: torch.Tensor, lens: torch.Tensor, inv: torch.Tensor, ends
     sl = check_tensor(slots, "slots", ndim=1)
     ln = check_tensor(lens, "lens", ndim=1, device=device)
     en = check_tensor(ends, "ends", ndim=1, device=device, shape=(ln.shape[0],))
-    iv = check_tensor(inv, "inv", ndim=1, device=device)
-    m = check_scalar(num_slot_ids, "num_slot_ids", 1)
-    if iv.shape[0] < m:
-        raise CanaryInputError(f"inv has {iv.shape[0]} entries, needs num_slot_ids = {m}")
+    iv, m = _check_inv(inv, num_slot_ids, device)
     b = check_backend(backend, device)
     if b == "torch":
         _derive_roll_torch(sl, ln, iv, en, m)
@@ -189,10 +195,7 @@ def bind_plan_roll(plan: torch.Tensor, status: torch.Tensor, chain_out: torch.Te
     ln, en, fp, pv = (check_tensor(t, name, ndim=1, device=device, shape=(n,)) for t, name in named)
     un = None if unlocked is None else check_tensor(unlocked, "unlocked", ndim=1, device=device, shape=(n,))
     co = check_tensor(chain_out, "chain_out", ndim=1, device=device)
-    iv = check_tensor(inv, "inv", ndim=1, device=device)
-    m = check_scalar(num_slot_ids, "num_slot_ids", 1)
-    if iv.shape[0] < m:
-        raise CanaryInputError(f"inv has {iv.shape[0]} entries, needs num_slot_ids = {m}")
+    iv, m = _check_inv(inv, num_slot_ids, device)
     p, s = check_plan_buffers(plan, status, device)
     if p.shape[0] < co.shape[0]:
         raise CanaryInputError(f"plan has {p.shape[0]} rows, the slice has {co.shape[0]} entries")
