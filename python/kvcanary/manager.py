@@ -110,6 +110,7 @@ class CanaryManager:
         self._invalidates = [bind_invalidate(g.records, g.spec.reserved_slots, self.backend) for g in self.state.groups
                              if g.spec.group == Group.FULL]
         self._table: torch.Tensor | None = None
+        self._shape = (0, 0)  # the open forward's bound shape (DeviceProgram.bound_shape)
         self._ops: tuple[tuple[Op, ...], tuple[Op, ...]] = ((), ())
         self._reuse = True
         if config.sweep_interval and prefix_cache is None:
@@ -186,18 +187,17 @@ class CanaryManager:
         self.upload.begin(batch, step, capture, shape)
         if capture:
             self._captured.add(key)
-            self.program.pinned.add(shape)
         self._begun(batch, kind, step, shape, table)
 
     def _begun(self, batch: BatchView, kind: ForwardKind, step: int, shape: tuple[int, int],
                table: torch.Tensor) -> None:
         """After the upload of forward ``step``: its slot table, its requests for the report, its device stages."""
-        self._table = table
+        self._table, self._shape = table, shape
         if kind is not ForwardKind.CAPTURE:
             offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
             self.reporter.step_batches[step] = StepBatch(tuple(batch.request_ids), offset)
         if kind is not ForwardKind.REPLAY:
-            stages = self.program.stages(shape, table)
+            stages = self.program.stages(table)
             capture = kind is ForwardKind.CAPTURE
             # eager: the reuse check only when a request is new; captured graphs always hold it (a replay may carry
             # a new request, e.g. disaggregated decode)
@@ -219,7 +219,7 @@ class CanaryManager:
         if self._phase != _Phase.BEGUN or self._kind == ForwardKind.REPLAY:
             raise CanaryBracketError(f"pre_forward needs an open eager/capture forward (phase {self._phase.name}, "
                                      f"kind {self._kind.value})")
-        run(self._ops[0], self._slot_table())
+        run(self._ops[0], self._slot_table(), self._shape)
         self._phase = _Phase.PRE
 
     def post_forward(self) -> None:
@@ -228,7 +228,7 @@ class CanaryManager:
             return
         if self._phase != _Phase.PRE:
             raise CanaryBracketError(f"post_forward without pre_forward (phase {self._phase.name})")
-        run(self._ops[1], self._slot_table())
+        run(self._ops[1], self._slot_table(), self._shape)
         self._phase = _Phase.POST
 
     def end_forward(self) -> WindowReport | None:

@@ -10,7 +10,6 @@ import pytest
 import torch
 from kvcanary.health import CanaryHealthError
 from kvcanary.manager import CanaryManager
-from kvcanary.ops.bound import BoundOp
 from kvcanary_schema import Stage
 
 from .helpers import run, setup, step
@@ -21,21 +20,23 @@ def _skip_tail_verify_once(monkeypatch: pytest.MonkeyPatch, m: CanaryManager) ->
     real = program_mod.bind_verify
     state = {"skipped": False}
 
-    def flaky(group: Any, stage: Stage, *a: Any, **k: Any) -> BoundOp:
+    def flaky(group: Any, stage: Stage, *a: Any, **k: Any) -> Any:
         op = real(group, stage, *a, **k)
         if stage != Stage.TAIL:
             return op
 
-        def run_once_skipped(table: torch.Tensor) -> None:
-            if not state["skipped"]:
-                state["skipped"] = True
-                return
-            op(table)
-        return BoundOp(run_once_skipped, (), ())
+        class RunOnceSkipped:  # a plain step of the program: it runs alone, between the native sequences
+            def frozen(self) -> RunOnceSkipped:
+                return self
+
+            def __call__(self, table: torch.Tensor, rows: int, tokens: int) -> None:
+                if not state["skipped"]:
+                    state["skipped"] = True
+                    return
+                op(table, rows, tokens)
+        return RunOnceSkipped()
     monkeypatch.setattr(program_mod, "bind_verify", flaky)
-    m.program._cache.clear()  # rebind every shape with the flaky verify (the last shape's stages included, and the
-    m.program._verify_ops.clear()  # verifies the shapes share)
-    m.program._last_stages = None
+    m.program._stages = None  # bind the program again, with the flaky verify
 
 
 def test_watchdog_trips_when_a_launch_is_skipped_raise(monkeypatch: pytest.MonkeyPatch) -> None:

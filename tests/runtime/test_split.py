@@ -1,4 +1,5 @@
-"""The pieces of the bracket alone: Stripes, DeviceProgram (shape cache, reuse check), Upload (fast truth form)."""
+"""The pieces of the bracket alone: Stripes, DeviceProgram (bound once, run at every shape; reuse check), Upload (fast
+truth form)."""
 
 from __future__ import annotations
 
@@ -48,24 +49,37 @@ def _bulk(b: BatchView) -> BatchView:
                                true_new_tokens=b.input_ids.cpu())
 
 
-def test_program_caches_shapes_and_pins_captured_ones() -> None:
-    eng, m = setup(n_reqs=2)
-    m.program.capacity = 1
-    table = eng.req_to_token
-    first = m.program.stages((2, 2), table)
-    assert m.program.stages((2, 2), table) is first
-    m.program.pinned.add((2, 2))
-    m.program.stages((1, 1), table)
-    m.program.stages((3, 3), table)
-    assert m.program.stages((2, 2), table) is first  # pinned: never evicted
-    assert len(m.program._cache) == 2
+def test_program_binds_once_for_every_shape() -> None:
+    eng, m = setup(n_reqs=4)
+    _decode(eng, m, list(eng.reqs))  # prefill
+    stages = m.program.stages(eng.req_to_token)
+    post = stages["post", False]
+    for n in (1, 3, 4, 2):
+        _decode(eng, m, list(eng.reqs)[:n])
+    assert m.program.stages(eng.req_to_token) is stages and stages["post", False] is post
 
 
-def _decode(eng: FakeEngine, m: CanaryManager, rids: list[str]) -> int:
-    """One decode forward of ``rids``; the TAIL K records it wrote."""
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("shape", [(1025, 1), (1, 1 << 20), (-1, 1)])
+def test_a_stage_past_its_bound_shape_raises(shape: tuple[int, int], backend: str) -> None:
+    """Natively before any op of the stage runs; the torch reference's ops each check their own arguments."""
+    eng, m = setup(n_reqs=1, backend=backend)
+    _decode(eng, m, list(eng.reqs))
+    pre = m.program.stages(eng.req_to_token)["pre", False]
+    before = m.state.pre_tick.clone()
+    with pytest.raises((ValueError, CanaryInputError), match="bound"):
+        for op in pre:
+            op(eng.req_to_token, *shape)
+    assert backend == "torch" or torch.equal(m.state.pre_tick, before)  # the step tick (the first op) did not run
+
+
+def _decode(eng: FakeEngine, m: CanaryManager, rids: list[str], shapes: set[tuple[int, int]] | None = None) -> int:
+    """One decode forward of ``rids`` (its bound shape added to ``shapes``); the TAIL K records it wrote."""
     before = int(m.state.sink.counters[TAIL_K, CounterCol.ENTRIES_WRITTEN])
     b = eng.batch(rids=rids)
     m.begin_forward(b)
+    if shapes is not None:
+        shapes.add(m._shape)
     m.pre_forward()
     eng.forward(b)
     m.post_forward()
@@ -85,25 +99,27 @@ def test_a_smaller_batch_of_the_same_bound_shape_leaves_no_stale_row() -> None:
     assert total(run(eng, m, 2)) == 0 and not m.health.problems
 
 
-def test_varying_batches_bind_a_shape_per_power_of_two() -> None:
+def test_varying_batches_run_at_a_shape_per_power_of_two() -> None:
     eng, m = setup(n_reqs=6)
-    _decode(eng, m, list(eng.reqs))  # prefill
+    shapes: set[tuple[int, int]] = set()
+    _decode(eng, m, list(eng.reqs), shapes)  # prefill
     sizes = [1, 2, 3, 4, 5, 6, 5, 3, 6, 1]
-    written = [_decode(eng, m, list(eng.reqs)[:n]) for n in sizes]
+    written = [_decode(eng, m, list(eng.reqs)[:n], shapes) for n in sizes]
     assert written == sizes
-    assert set(m.program._cache) == {(8, 32), (1, 1), (2, 2), (4, 4), (8, 8)}
+    assert shapes == {(8, 32), (1, 1), (2, 2), (4, 4), (8, 8)}
     assert total(run(eng, m, 1)) == 0 and not m.health.problems
 
 
 def test_a_pool_without_a_padding_row_keeps_the_exact_batch_size() -> None:
     """There a row of -1 is an input error (docs/ops-contract.md 2), so rows are not padded; tokens still are."""
     eng, m = setup(n_reqs=6, engine=FakeEngine(padding_row=-1))
-    _decode(eng, m, list(eng.reqs))  # prefill
+    shapes: set[tuple[int, int]] = set()
+    _decode(eng, m, list(eng.reqs), shapes)  # prefill
     sizes = [3, 5, 6, 5, 3]
-    assert [_decode(eng, m, list(eng.reqs)[:n]) for n in sizes] == sizes
+    assert [_decode(eng, m, list(eng.reqs)[:n], shapes) for n in sizes] == sizes
     m.flush()
     assert not m.health.problems and m.metrics.counters["input_errors"] == 0
-    assert set(m.program._cache) == {(6, 32), (3, 4), (5, 8), (6, 8)}
+    assert shapes == {(6, 32), (3, 4), (5, 8), (6, 8)}
 
 
 def test_reuse_check_runs_only_when_a_request_is_new() -> None:

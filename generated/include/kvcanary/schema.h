@@ -55,6 +55,14 @@ enum class TokenTruth : int32_t {
   POOL = 2,  // expected-token pool, compared per verified entry
 };
 
+// How a bound op's argument follows the batch shape its stage sequence is called with (docs/ops-contract.md 9).
+enum class ShapedArg : int32_t {
+  BATCH_ROWS = 1,  // a tensor cut to the batch's rows along its first dimension
+  PLAN_ROWS = 2,  // a tensor cut to max(rows, 1) rows (a plan sized to the batch)
+  TOKENS = 3,  // a tensor cut to the batch's new tokens along its first dimension
+  NUM_TOKENS = 4,  // an integer argument replaced by the batch's new tokens
+};
+
 // Bits of the plan's FLAGS column.
 enum class PlanFlag : int64_t {
   FIRST_IS_HEAD = 1,  // the first verified entry is a chain head: check prev_hash against the anchor

@@ -72,6 +72,15 @@ class TokenTruth(IntEnum):
     POOL = 2  # expected-token pool, compared per verified entry
 
 
+class ShapedArg(IntEnum):
+    """How a bound op's argument follows the batch shape its stage sequence is called with (docs/ops-contract.md 9)."""
+
+    BATCH_ROWS = 1  # a tensor cut to the batch's rows along its first dimension
+    PLAN_ROWS = 2  # a tensor cut to max(rows, 1) rows (a plan sized to the batch)
+    TOKENS = 3  # a tensor cut to the batch's new tokens along its first dimension
+    NUM_TOKENS = 4  # an integer argument replaced by the batch's new tokens
+
+
 class PlanFlag(IntFlag):
     """Bits of the plan's FLAGS column."""
 

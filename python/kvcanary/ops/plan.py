@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from kvcanary_schema import NO_SLOT, NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, PlanCol, PlanFlag, PlanStatusCol
+from kvcanary_schema import NO_SLOT, NUM_PLAN_COLS, NUM_PLAN_STATUS_COLS, PlanCol, PlanFlag, PlanStatusCol, ShapedArg
 
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
-from kvcanary.ops.bound import BoundOp
+from kvcanary.ops.bound import BoundOp, Shaped
 from kvcanary.ops.shared import table_slots
 from kvcanary.ops.types import check_backend, check_tensor
 
@@ -98,14 +98,20 @@ def bind_plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices
     table_page = check_table_page(table, table_page)
     rp, rs, rl = _check_reuse(reuse, p, s, device, bs)
     b = check_backend(backend, device)
+    # what follows the batch (BoundOp): the plans' rows, the per-request rows, the token count (an absent reuse plan
+    # is a 0-element placeholder)
+    sp, srp = Shaped(p, ShapedArg.PLAN_ROWS), rp if rl is None else Shaped(rp, ShapedArg.PLAN_ROWS)
+    srpi, spre, sext = (Shaped(t, ShapedArg.BATCH_ROWS) for t in (rpi, pre, ext))
+    sep, sen, sfm, srl = (None if t is None else Shaped(t, ShapedArg.BATCH_ROWS) for t in (ep, en, fm, rl))
+    nt = Shaped(num_tokens, ShapedArg.NUM_TOKENS)
     if b == "torch":
-        return BoundOp(_plan_forward_torch_with_reuse, (p, s, rpi, pre, ext),
-                       (num_tokens, window, padding_row, ep, en, fm, table_page, rp, rs, rl))
+        return BoundOp.of(_plan_forward_torch_with_reuse, (sp, s, srpi, spre, sext),
+                          (nt, window, padding_row, sep, sen, sfm, table_page, srp, rs, srl))
     e = empty_i64(device)
-    return BoundOp(_native.module(b).plan_forward, (p, s, rpi, pre, ext),
-                   (e if ep is None else ep, int(ep is not None), e if en is None else en, int(en is not None),
-                    e if fm is None else fm, int(fm is not None), num_tokens, window, padding_row, table_page, rp, rs,
-                    e if rl is None else rl, int(rl is not None)), native=True)
+    return BoundOp.of(_native.module(b).plan_forward, (sp, s, srpi, spre, sext),
+                      (e if sep is None else sep, int(ep is not None), e if sen is None else sen, int(en is not None),
+                       e if sfm is None else sfm, int(fm is not None), nt, window, padding_row, table_page, srp, rs,
+                       e if srl is None else srl, int(rl is not None)), native=True)
 
 
 def _check_reuse(reuse: object, plan: torch.Tensor, status: torch.Tensor, device: torch.device,

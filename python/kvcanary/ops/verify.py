@@ -13,6 +13,7 @@ from kvcanary_schema import (
     PlanFlag,
     PlanStatusCol,
     RecordField,
+    ShapedArg,
     Stage,
     ViolationCol,
 )
@@ -20,7 +21,7 @@ from kvcanary_schema import (
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
-from kvcanary.ops.bound import BoundOp
+from kvcanary.ops.bound import BoundOp, Shaped
 from kvcanary.ops.fingerprint import check_fingerprint, fingerprint_torch
 from kvcanary.ops.plan import check_plan_buffers, check_scalar, check_table_page, empty_i64
 from kvcanary.ops.shared import (
@@ -83,12 +84,13 @@ def bind_verify(group: GroupView, stage: Stage, plan: torch.Tensor, status: torc
     tags = group.tags(stage)
     share = fingerprint.share if fingerprint is not None and stage == Stage.TAIL else 1  # sweeps check every entry
     b = check_backend(backend, device)
+    sp = Shaped(p, ShapedArg.PLAN_ROWS)  # a forward's plan follows the batch (BoundOp)
     if b == "torch":
-        return BoundOp(_verify_torch, (group, tags, p, s), (page, sink, token_pool, fingerprint, share))
+        return BoundOp.of(_verify_torch, (group, tags, sp, s), (page, sink, token_pool, fingerprint, share))
     e = empty_i64(device)
-    return BoundOp(_native.module(b).verify, (
+    return BoundOp.of(_native.module(b).verify, (
         group.records, e if group.swa_map is None else group.swa_map, int(group.swa_map is not None),
-        group.reserved_slots, tags[0], tags[1] if len(tags) > 1 else -1, p, s), (
+        group.reserved_slots, tags[0], tags[1] if len(tags) > 1 else -1, sp, s), (
         sink.rows, sink.count, sink.counters, sink.step,
         e if token_pool is None else token_pool.tokens, e if token_pool is None else token_pool.lens,
         int(token_pool is not None), 0 if token_pool is None else token_pool.offset,

@@ -20,6 +20,7 @@ from kvcanary_schema import (
     PlanFlag,
     PlanStatusCol,
     RecordField,
+    ShapedArg,
     Stage,
     ViolationCol,
     WriteCheck,
@@ -28,7 +29,7 @@ from kvcanary_schema import (
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
-from kvcanary.ops.bound import BoundOp
+from kvcanary.ops.bound import BoundOp, Shaped
 from kvcanary.ops.fingerprint import check_fingerprint, fingerprint_torch
 from kvcanary.ops.plan import check_table_page, empty_i64
 from kvcanary.ops.shared import append_rows, record_link, resolve_slots, table_slots, violation_rows
@@ -91,10 +92,12 @@ class WriteTarget:
         ids = check_tensor(input_ids, "input_ids", ndim=1, device=self.device)
         pos = check_tensor(positions, "positions", ndim=1, device=self.device, shape=(ids.shape[0],))
         loc = check_tensor(out_cache_loc, "out_cache_loc", ndim=1, device=self.device, shape=(ids.shape[0],))
+        # the plan's rows and the tokens follow the batch (BoundOp)
+        sp, sids, spos, sloc = Shaped(p, ShapedArg.PLAN_ROWS), *(Shaped(t, ShapedArg.TOKENS) for t in (ids, pos, loc))
         if self.native:
-            return BoundOp(self.fn, (*self.before, p, self.status), (ids, pos, loc, *self.after), native=True)
+            return BoundOp.of(self.fn, (*self.before, sp, self.status), (sids, spos, sloc, *self.after), native=True)
         page, *rest = self.after
-        return BoundOp(self.fn, (*self.before, p, self.status), (page, ids, pos, loc, *rest))
+        return BoundOp.of(self.fn, (*self.before, sp, self.status), (page, sids, spos, sloc, *rest))
 
     def frozen(self) -> WriteTarget:
         """Native targets: their torch tensors pre-converted once (see :meth:`BoundOp.frozen`)."""
