@@ -5,7 +5,8 @@
 # 0: none), then B's hook probe (gpu/probe_hook_times.py cuda) and B's GPU tests under TESTS (pytest paths; none when
 # empty). Summary: per row and side the median and the best of the rounds (bench/summarize_rounds.py). Files in $OUT:
 # log.txt rounds.tar.gz summary.md. Carry .whl (tvm-ffi) and .ab.
-# Usage: [ROUNDS=0] [ENGINE_ROUNDS=4] [BS=1,64,256] [TESTS=...] bash gpu/run_py_ab.sh
+# PIN: a command prefix for every timed process, e.g. PIN="taskset -c 5" (the host's speed is bimodal per process
+# unpinned). Usage: [ROUNDS=0] [ENGINE_ROUNDS=4] [BS=1,64,256] [TESTS=...] [PIN=...] bash gpu/run_py_ab.sh
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/rounds
@@ -19,25 +20,26 @@ side() {  # side A|B: that side's sources, each with its own JIT cache
     .whl/*.whl || exit 1
   export PYTHONUNBUFFERED=1 TVM_FFI_CUDA_ARCH_LIST=9.0a
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+  lscpu | grep -E "Model name|NUMA|^CPU\(s\)|MHz"; echo "PIN=${PIN:-none}"
   for s in A B; do side $s; python3 -c "from kvcanary import _native as n; print('$s', n.load('cuda').origin, \
     n.load('cpu').origin)" || exit 1; done
   for run in $(seq "${ENGINE_ROUNDS:-4}"); do
     for s in A B; do
       echo "=== engine $s $run $(date -u +%T)"; side $s
-      timeout 150 python3 -m bench.bench_runtime --device cuda --backends cuda --bs 1 --iters 10 --config default \
+      timeout 150 $PIN python3 -m bench.bench_runtime --device cuda --backends cuda --bs 1 --iters 10 --config default \
         --engine-steps 100 --out "/tmp/rounds/engine_${s}_$run.json" | grep -E "engine"
     done
   done
   for run in $(seq "${ROUNDS:-0}"); do
     for s in A B; do
       echo "=== round $run $s $(date -u +%T)"; side $s
-      timeout 120 python3 -m bench.bench_runtime --device cuda --backends cuda --bs "${BS:-1,64,256}" --iters 500 \
+      timeout 120 $PIN python3 -m bench.bench_runtime --device cuda --backends cuda --bs "${BS:-1,64,256}" --iters 500 \
         --config default --engine-steps 0 --out "/tmp/rounds/runtime_${s}_$run.json" | grep -E "replay|eager"
     done
   done
   side B
   echo "=== hook probe B $(date -u +%T)"
-  timeout 120 python3 gpu/probe_hook_times.py cuda
+  timeout 120 $PIN python3 gpu/probe_hook_times.py cuda
   [ -z "${TESTS:-}" ] || { echo "=== gpu tests B $(date -u +%T)"
     timeout 300 python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider --tb=short 2>&1 | tail -15; }
   python3 -m bench.summarize_rounds /tmp/rounds > "$OUT/summary.md"; cat "$OUT/summary.md"

@@ -29,10 +29,10 @@ mkdir -p "$OUT"
   timeout 240 python3 -m pytest -q -m gpu tests --ignore=tests/disagg -p no:cacheprovider --tb=short --maxfail=40 \
     2>&1 | tail -40
   echo "=== sanitizer $(date -u +%T)"
-  { timeout 90 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 --print-limit 20 \
-      python3 -m tests.gpu.fuzz_bad_inputs --n 12 --large 1; echo "memcheck rc=$?"
-    timeout 70 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 9 --print-limit 20 \
-      python3 -m tests.gpu.fuzz_bad_inputs --n 3 --large 1; echo "racecheck rc=$?"; } > "$OUT/sanitizer.txt" 2>&1
+  { timeout 150 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 --print-limit 20 \
+      python3 -m tests.gpu.fuzz_bad_inputs --n 12 --large 1 --runtime 30; echo "memcheck rc=$?"
+    timeout 120 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 9 --print-limit 20 \
+      python3 -m tests.gpu.fuzz_bad_inputs --n 3 --large 1 --runtime 12; echo "racecheck rc=$?"; } > "$OUT/sanitizer.txt" 2>&1
   grep -E "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitizer.txt"
   [ -n "${NO_BENCH:-}" ] || {
   echo "=== bench $(date -u +%T)"

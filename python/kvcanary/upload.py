@@ -102,26 +102,15 @@ class Upload:
             live = rows != self.pool.padding_row
             if None in ids:  # a C-level scan: np.not_equal on an object array costs far more
                 live &= np.not_equal(request_keys(ids), None)  # type: ignore[call-overload]
-            bs, nt = rows.shape[0], batch.input_ids.shape[0]
-            k = self._index if bs > self._inline else None  # None: the launch carries the staging rows itself
-            if k is not None and self._copied:
-                self._copied[k].synchronize()
-            pads = self._pads(bs, nt, shape)
-            got = self._stage.decode((batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids,
-                                      batch.positions, batch.out_cache_loc), self._index, *pads,
-                                     (rows, host_i64(batch.prefix_lens_host), host_i64(batch.extend_lens_host)),
-                                     host_array(new), live, self._row_state, self.chains.offset, step)
+            host = (rows, host_i64(batch.prefix_lens_host), host_i64(batch.extend_lens_host))
+            done = self._decode(batch, _sources(batch), host, new, live, step, shape)
         except (TypeError, ValueError) as err:  # the native checks: this library's error for the same input
             cfg = self.config
             batch.validate(self.pool, cfg.req_capacity, cfg.token_capacity, self.state.device)
             raise CanaryInputError(f"batch: {err}") from err
-        if got == BAD_VALUE:
-            raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
-        if got < 0:
-            return False
-        self.any_new = False  # every request holds its row and continues it, no stripes
-        self._staged(k, bs, nt, shape)
-        return True
+        if done:
+            self.any_new = False  # every request holds its row and continues it, no stripes
+        return done
 
     def begin(self, batch: BatchView, step: int, capture: bool, shape: tuple[int, int]) -> None:
         """Token truth, stripe ends and reuse ends of ``batch`` (forward ``step``) staged with the batch into the static
@@ -134,27 +123,25 @@ class Upload:
         live = rows != self.pool.padding_row
         if None in ids:
             live &= np.not_equal(request_keys(ids), None)  # type: ignore[call-overload]
-        k = self._index
-        if self._copied:
-            self._copied[k].synchronize()
         bs, nt = rows.shape[0], batch.num_tokens
-        pads = self._pads(bs, nt, shape)
-        src = (batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
-               batch.out_cache_loc)
+        src = _sources(batch)
         inside = (rows >= 0) & (rows < self.pool.req_rows)
         if not all_set(inside):  # rows outside the slot table: the plan counts them as input errors; here they are
             live &= inside       # padding
             rows = np.where(inside, rows, 0)
         keys = request_keys(ids)
         claims = np.flatnonzero(self.requests.unclaimed(rows, keys, live))
-        out = self._host[k][:, :rows.shape[0]]
-        out[3:] = 0  # stripe and reuse ends; _truth writes rows 0-2
-        self._claim(rows, keys, claims, pre, capture, out[4])
+        reuse = np.zeros(bs, dtype=np.int64)
+        self._claim(rows, keys, claims, pre, capture, reuse)
+        if not capture and self._continued(batch, rows, live, pre, ext, src, step, reuse, shape):
+            return
+        k = self._index
+        if self._copied:
+            self._copied[k].synchronize()
+        out = self._host[k][:, :bs]
+        out[3], out[4] = 0, reuse  # stripe and reuse ends; _truth writes rows 0-2
         if self.stripes is not None:
             self._stripe_ends(keys, live, pre, capture, out[3])
-        if not capture and self._continued(batch, rows, live, pre, ext, src, k, pads, step, out[4]):
-            self._staged(k, bs, nt, shape)
-            return
         if capture:  # nothing runs at a capture: its truth is staged, the rows' chains stay where they were
             chains, h, n = self.chains, self.chains.h[rows], self.chains.n[rows]
         self._truth(batch, rows, live, pre, ext, out)
@@ -163,25 +150,41 @@ class Upload:
                 self.chains.h[rows], self.chains.n[rows] = h, n
             else:  # fresh chains for a new token offset: untouched
                 self.chains.reset(rows)
-        self._stage(src, k, *pads)
+        self._stage(src, k, *self._pads(bs, nt, shape))
         if not capture:
             self.requests.ran(rows, live, pre, step)
         self._staged(k, bs, nt, shape)
 
     def _continued(self, batch: BatchView, rows: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
-                   src: tuple[torch.Tensor, ...], k: int, pads: tuple[int, int], step: int, reuse: np.ndarray) -> bool:
-        """The truth and staging of a claimed batch (forward ``step``) in one native call (``begin_decode``) once its
+                   src: tuple[torch.Tensor, ...], step: int, reuse: np.ndarray, shape: tuple[int, int]) -> bool:
+        """The truth and staging of a claimed batch (forward ``step``) in one native call (:meth:`_decode`) once its
         rows that are behind their prefix end (a new request with a reused prefix, a rewound one) have caught up:
         under the FULL policy and CHAIN truth with bulk truth given, when every live row then continues its chain.
         False, with only the catch-up done, otherwise (the caller's numpy path takes the batch)."""
         new = batch.true_new_tokens
         if new is None or not self._bulk(batch) or not self.chains.reach(rows, live, pre, batch.true_tokens):
             return False
-        got = self._stage.decode(src, k, *pads, (rows, pre, ext), host_array(new), live, self._row_state,
-                                 self.chains.offset, step, reuse)
+        return self._decode(batch, src, (rows, pre, ext), new, live, step, shape, reuse)
+
+    def _decode(self, batch: BatchView, src: tuple[torch.Tensor, ...], host: tuple[np.ndarray, ...],
+                new: np.ndarray | torch.Tensor, live: np.ndarray, step: int, shape: tuple[int, int],
+                reuse: np.ndarray | None = None) -> bool:
+        """``begin_decode`` of a batch whose every live row holds its request (``host``: its rows, prefix and extend
+        lengths; ``reuse``: the reuse ends, None: none): True when it staged the batch (every live row continued its
+        chain). A batch of at most ``STAGE_INLINE_ROWS`` rows on CUDA carries its staging rows in the launch, so no
+        staging row is waited for or taken."""
+        bs, nt = host[0].shape[0], batch.input_ids.shape[0]
+        k = self._index if bs > self._inline else None
+        if k is not None and self._copied:
+            self._copied[k].synchronize()
+        got = self._stage.decode(src, self._index, *self._pads(bs, nt, shape), host, host_array(new), live,
+                                 self._row_state, self.chains.offset, step, reuse)
         if got == BAD_VALUE:
             raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
-        return got >= 0
+        if got < 0:
+            return False
+        self._staged(k, bs, nt, shape)
+        return True
 
     def _bulk(self, batch: BatchView) -> bool:
         """Whether ``batch``'s truth may go through ``begin_decode``: the FULL policy and CHAIN truth, bulk truth given
@@ -316,6 +319,12 @@ class Upload:
         """Per-row truth state of rows that changed hands: the empty chain, no true token uploaded."""
         self.chains.reset(rows)
         self.pool_done[rows] = 0
+
+
+def _sources(batch: BatchView) -> tuple[torch.Tensor, ...]:
+    """The six batch tensors the staging copies, in ``stage_batch``'s order."""
+    return (batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
+            batch.out_cache_loc)
 
 
 def _given_chains(given: Sequence[tuple[int | None, int | None]], live: np.ndarray) -> BatchTruth:

@@ -6,6 +6,7 @@ import argparse
 import random
 
 import torch
+from kvcanary.demo import clean_run
 from kvcanary.ops.bookkeep import bind_bookkeep
 from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.invalidate import invalidate
@@ -33,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--large", type=int, default=2)
+    ap.add_argument("--runtime", type=int, default=0, help="then the demo's clean run of this many forwards (0: none)")
     args = ap.parse_args()
     import test_verify as TV  # noqa: PLC0415
     import test_write as TW  # noqa: PLC0415
@@ -133,6 +135,8 @@ def main() -> None:
                              row_bytes=208, share=2, swa=k % 2 == 1)
         pol.batch.loc[::3] = -7
         TP.run_policy(pol, "cuda", dev)
+    if args.runtime:  # the runtime's device program: stage sequences cut to each forward's shape, new requests, sweeps
+        clean_run(0, dev, "cuda", args.runtime, quiet=True)
     torch.cuda.synchronize()
     print("fuzz done", args.n, args.large)
 
