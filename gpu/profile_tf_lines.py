@@ -1,0 +1,20 @@
+"""Probe (GPU machine): line-by-line host time of the canary's hooks inside transformers continuous batching (the
+decode steps of gpu/probe_tf_parts.py's run). Needs line_profiler (carry its wheel). Usage: python3
+gpu/profile_tf_lines.py [cuda|cpu] [1b|tiny] [batch] [prompt]."""
+
+import runpy
+import sys
+
+import kvcanary.integrations.transformers as kt
+import kvcanary.manager as mg
+import kvcanary.upload as up
+from line_profiler import LineProfiler
+
+prof = LineProfiler()
+for owner, names in ((mg.CanaryManager, ("begin_forward", "_begin_steady", "_begin", "_begun", "end_forward")),
+                     (up.Upload, ("steady", "_decode", "begin")), (kt.HFPoolAdapter, ("batch_view", "dense"))):
+    for name in names:
+        setattr(owner, name, prof(getattr(owner, name)))
+runpy.run_path("gpu/probe_tf_parts.py", run_name="__main__")
+prof.print_stats(output_unit=1e-6, stripzeros=True)
+sys.stdout.flush()
