@@ -1,7 +1,10 @@
 """Probe: where the transformers integration's host time per generation step goes (continuous batching, decode steps
 of a random Llama): the adapter's batch view, begin_forward, pre_forward, post_forward, end_forward, each timed
-around its call (no sync: host time). Usage: python3 gpu/probe_tf_parts.py [cuda|cpu] [1b|tiny] [batch] [prompt]."""
+around its call (no sync: host time; SYNC=1: the device synchronized before each, untimed, so a part's time is its own
+work, not a wait for earlier queued work). Usage: [SYNC=1] python3 gpu/probe_tf_parts.py [cuda|cpu] [1b|tiny] [batch]
+[prompt]."""
 
+import os
 import statistics
 import sys
 import time
@@ -10,6 +13,7 @@ from typing import Any
 
 import kvcanary.integrations.transformers as kt
 import kvcanary.manager as mg
+import torch
 from kvcanary.config import CanaryConfig
 
 from bench.bench_transformers import LLAMA_1B, LLAMA_TINY, StepTimer, build_model, prompts, run_once
@@ -18,12 +22,15 @@ device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 cfg = LLAMA_1B if (sys.argv[2] if len(sys.argv) > 2 else "1b") == "1b" else LLAMA_TINY
 batch, prompt = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (32, 1024)
 times: dict[str, list[float]] = defaultdict(list)
+sync = os.environ.get("SYNC") == "1" and device == "cuda"
 
 
 def timed(owner: Any, name: str) -> None:
     fn = getattr(owner, name)
 
     def wrapper(*a: Any, **k: Any) -> Any:
+        if sync:
+            torch.cuda.synchronize()
         t = time.perf_counter()
         try:
             return fn(*a, **k)
@@ -36,12 +43,11 @@ for owner, name in ((kt.HFPoolAdapter, "batch_view"), (mg.CanaryManager, "begin_
                     (mg.CanaryManager, "pre_forward"), (mg.CanaryManager, "post_forward"),
                     (mg.CanaryManager, "end_forward"), (kt.HFPoolAdapter, "_read_slots")):
     timed(owner, name)
-import torch  # noqa: E402
 
 model = build_model(cfg, device, torch.bfloat16 if device == "cuda" else torch.float32)
 ps = prompts(batch, prompt, cfg["vocab_size"])
 with StepTimer(device) as timer:
-    for rep in range(2):
+    for _rep in range(2):
         times.clear()
         handle = kt.install(model, CanaryConfig(mode="raise"))
         try:
@@ -51,4 +57,5 @@ with StepTimer(device) as timer:
 print(f"{device} batch {batch} prompt {prompt}: decode step median {1e3 * statistics.median(decode):.2f} ms, "
       f"bracket host {1e-3 * handle.stats['bracket_us'] / handle.stats['forwards']:.3f} ms per step")
 for name, ts in times.items():
-    print(f"  {name:14s} n={len(ts):4d} median {1e6 * statistics.median(ts):8.1f} us  mean {1e6 * statistics.mean(ts):8.1f} us")
+    med, mean = 1e6 * statistics.median(ts), 1e6 * statistics.mean(ts)
+    print(f"  {name:14s} n={len(ts):4d} median {med:8.1f} us  mean {mean:8.1f} us")
