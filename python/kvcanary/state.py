@@ -102,7 +102,7 @@ class CanaryState:
         # a running max of plan status over the reporting window (input errors, overflow)
         self.window_status = self.arena[o + 1:o + 1 + n_ws].view(len(self.groups), NUM_PLAN_STATUS_COLS)
         # static batch buffers, filled by one stage_batch per forward: the bracket's device parts read only these.
-        # Ops are bound at shapes past the batch (DeviceProgram.bound_shape): rows past it are padding rows and
+        # Ops run at shapes past the batch (DeviceProgram.bound_shape): rows past it are padding rows and
         # tokens past it are never written (Upload.begin keeps that so), which is how they start
         self.batch_rows = _i64(3, rc, device=d)
         self.batch_rows[0].fill_(pool.padding_row)
