@@ -1,14 +1,18 @@
-"""ChainHasher: values against Python-int chains, incremental = one-shot, draft offset, torch path, bad input."""
+"""ChainHasher: values against Python-int chains, incremental = one-shot, draft offset, torch path, bad input;
+KeyedChains against chain_truth."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
-from kvcanary.truth import ChainHasher, fold, new_token_truth
+from kvcanary.truth import ChainHasher, KeyedChains, chain_truth, fold, new_token_truth
 from kvcanary_schema import CHAIN_ANCHOR, CHAIN_BASE, TOKEN_LIMIT
 
 
@@ -113,3 +117,50 @@ def test_new_token_truth_is_flat_like_input_ids_with_the_offset() -> None:
     assert new_token_truth(hist, [2, 1, 0], [2, 3, 1], 6, offset=1).tolist() == [13, -1, 22, -1, -1, -1]
     with pytest.raises(CanaryInputError, match="more than the 5 new tokens"):
         new_token_truth(hist, [2, 1, 0], [2, 3, 1], 5)
+
+
+def _keyed_forwards(seed: int, offset: int, native: bool) -> None:
+    """Random forwards of a few requests (new ones, continuing, rewound, dropped, histories shorter than the forward)
+    through KeyedChains (starting with 2 rows, so it grows), against chain_truth on one ChainHasher per request."""
+    from kvcanary import _native  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    mod = _native.module("cpu") if native else None
+    keyed = KeyedChains(offset, None if mod is None else mod.hash_chain_step,
+                        None if mod is None else mod.truth_segments, rows=2)
+    oracle = ChainHasher(offset)
+    hist = {k: [rng.randrange(50) for _ in range(rng.randint(1, 40))] for k in range(9)}
+    done = dict.fromkeys(hist, 0)
+    for _ in range(30):
+        keys = rng.sample(sorted(hist), rng.randint(1, 6))
+        pre, ext = [], []
+        for k in keys:
+            if rng.random() < 0.15:  # a rewind (retraction) or a jump (prefix-cache hit)
+                done[k] = rng.randint(0, len(hist[k]))
+            e = rng.choice([1, 1, 1, rng.randint(0, 9)])
+            pre.append(done[k])
+            ext.append(e)
+            done[k] += e
+            hist[k] += [rng.randrange(50) for _ in range(rng.randint(0, 2))]
+        got = keyed.forward(keys, np.array(pre, np.int64), np.array(ext, np.int64), [hist[k] for k in keys])
+        for i, k in enumerate(keys):
+            ep, en = chain_truth(oracle, k, hist[k], pre[i], ext[i], offset)
+            assert (bool(got.prefix_known[i]), bool(got.new_known[i])) == (ep is not None, en is not None), (seed, k)
+            assert int(got.expect_prefix[i]) == (ep or 0) and int(got.expect_new[i]) == (en or 0), (seed, k)
+        for k in rng.sample(sorted(hist), rng.randint(0, 2)):  # finished or preempted: both forget it
+            keyed.drop(k)
+            oracle.drop(k)
+            done[k] = 0
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_keyed_chains_equal_chain_truth(native: bool, offset: int) -> None:
+    for seed in range(40):
+        _keyed_forwards(seed, offset, native)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32))
+def test_keyed_chains_property(seed: int) -> None:
+    _keyed_forwards(seed, seed % 2, True)

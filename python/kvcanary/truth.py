@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from kvcanary_schema import CHAIN_BASE, CHAIN_SEED, SPLITMIX_MUL1, SPLITMIX_MUL2, TOKEN_LIMIT
 
+from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops import hashes as H
 from kvcanary.ops.stage_batch import BAD_VALUE
@@ -357,3 +358,61 @@ class RowChains:
         got = chain_truth(scratch, row, history, pre, ext, self.offset)
         self.h[row], self.n[row] = scratch.value(row), scratch.length(row)
         return got
+
+
+Hashers = tuple[Callable[..., int] | None, Callable[..., int] | None]  # (hash_chain_step, truth_segments)
+
+
+def host_hashers(backend: str) -> Hashers:
+    """The C++ module's host ops that serve the bulk token truth (``hash_chain_step``, ``truth_segments``) when a
+    native backend is in use and the CPU module loads; (None, None): numpy."""
+    if backend == "torch" or not _native.available("cpu"):
+        return None, None
+    mod = _native.module("cpu")
+    return mod.hash_chain_step, mod.truth_segments
+
+
+class KeyedChains:
+    """:class:`RowChains` for requests known by key only (an engine's scheduler: no slot-table rows). A key takes a
+    row on its first forward and gives it back on :meth:`drop`; the arrays grow as needed. A forward's requests are
+    hashed in bulk (``chain_truth`` per request stays the oracle)."""
+
+    def __init__(self, offset: int = 0, step: Callable[..., int] | None = None,
+                 segments: Callable[..., int] | None = None, rows: int = 64) -> None:
+        """State for ``rows`` keys at first; ``offset``, ``step``, ``segments`` as in :class:`RowChains`."""
+        self.chains = RowChains(rows, offset, step, segments)
+        self._row: dict[Hashable, int] = {}
+        self._free = list(range(rows - 1, -1, -1))
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._row
+
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key`` (finished, preempted or retracted request); unknown keys are ignored."""
+        row = self._row.pop(key, None)
+        if row is not None:
+            self._free.append(row)
+
+    def forward(self, keys: Sequence[Hashable], pre: np.ndarray, ext: np.ndarray,
+                histories: Sequence[Sequence[int]]) -> BatchTruth:
+        """Expected chains of one forward of distinct ``keys`` (``pre``/``ext`` int64 [bs]) from their true
+        ``histories``; each key's state advanced past its new tokens."""
+        rows = np.fromiter((self._row_of(k) for k in keys), dtype=np.int64, count=len(keys))
+        new = new_token_truth(histories, pre.tolist(), ext.tolist(), int(np.maximum(ext, 0).sum()),
+                              self.chains.offset)
+        return self.chains.forward(rows, np.ones(rows.shape[0], dtype=bool), pre, ext, new, histories)
+
+    def _row_of(self, key: Hashable) -> int:
+        row = self._row.get(key)
+        if row is None:
+            if not self._free:
+                self._grow()
+            row = self._row[key] = self._free.pop()
+            self.chains.reset([row])
+        return row
+
+    def _grow(self) -> None:
+        c, n = self.chains, self.chains.n.shape[0]
+        c.h = np.concatenate([c.h, np.full(n, H.CHAIN_H0, dtype=_U64)])
+        c.n = np.concatenate([c.n, np.zeros(n, dtype=np.int64)])
+        self._free = list(range(2 * n - 1, n - 1, -1))

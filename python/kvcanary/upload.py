@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Any
 
 import numpy as np
 import torch
 from kvcanary_schema import STAGE_INLINE_ROWS, TOKEN_LIMIT, PlanFlag, TokenTruth
 
-from kvcanary import _native
 from kvcanary.adapter import BatchView, PoolDescription
 from kvcanary.config import CanaryConfig, CoveragePolicy
 from kvcanary.errors import CanaryInputError, KVCanaryInternalError
@@ -20,7 +18,7 @@ from kvcanary.rows import RequestRows
 from kvcanary.state import CanaryState
 from kvcanary.streams import CurrentStream
 from kvcanary.stripes import Stripes
-from kvcanary.truth import BatchTruth, RowChains, all_set
+from kvcanary.truth import BatchTruth, RowChains, all_set, host_hashers
 
 KEEP_ALL = -1  # flag mask keeping every PlanFlag bit
 NO_PREFIX = ~int(PlanFlag.EXPECT_PREFIX)
@@ -58,7 +56,7 @@ class Upload:
         """Staging for ``state``; ``health.coverage`` observes every request's verified slots."""
         self.state, self.pool, self.config, self.backend = state, pool, config, backend
         self.health = health
-        self._native = _native_host(backend)
+        self._hashers = host_hashers(backend)
         self._stage = BatchStager(state.upload, state.batch_rows, state.truth_rows, state.batch_tokens,
                                   pool.padding_row, backend)
         self.requests = RequestRows(pool.req_rows)
@@ -271,9 +269,7 @@ class Upload:
 
     def _set_chains(self, offset: int) -> None:
         """Fresh row chains for token ``offset``, and the per-row state begin_decode updates."""
-        native = self._native
-        self.chains = RowChains(self.pool.req_rows, offset, None if native is None else native.hash_chain_step,
-                                None if native is None else native.truth_segments)
+        self.chains = RowChains(self.pool.req_rows, offset, *self._hashers)
         r = self.requests
         self._row_state = self._stage.row_state(self.chains.h, self.chains.n, r.seen, r.prefix)
 
@@ -334,11 +330,3 @@ def _given_chains(given: Sequence[tuple[int | None, int | None]], live: np.ndarr
     return BatchTruth(np.asarray(ep, np.int64), np.asarray(en, np.int64),
                       live & np.asarray([p is not None for p, _ in given], bool),
                       live & np.asarray([n is not None for _, n in given], bool))
-
-
-def _native_host(backend: str) -> Any:
-    """The C++ module whose host ops (hash_chain_step, truth_segments) serve the token truth, when a native backend is
-    in use and it loads; None: numpy."""
-    if backend == "torch" or not _native.available("cpu"):
-        return None
-    return _native.module("cpu")

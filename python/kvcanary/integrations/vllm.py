@@ -42,7 +42,7 @@ from kvcanary.errors import CanaryInputError, KVCanaryError
 from kvcanary.manager import CanaryManager, install
 from kvcanary.ops.types import SourceSpec
 from kvcanary.report import WindowReport
-from kvcanary.truth import ChainHasher, chain_truth
+from kvcanary.truth import KeyedChains, host_hashers
 
 logger = logging.getLogger("kvcanary")
 
@@ -270,7 +270,9 @@ class _SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, block_size: int, num_blocks: int) -> None:
         self.cfg, self.bs = cfg, block_size
         self.reqs: dict[str, Any] = {}
-        self.hasher = ChainHasher()
+        self.chains = KeyedChains(0, *host_hashers(cfg.canary.resolved_backend("cpu")))
+        # per running request, the last block _place_blocks placed: (its index in the request's table, its id)
+        self.placed: dict[str, tuple[int, int]] = {}
         self.first_pos = np.full(num_blocks, -1, dtype=np.int64)
         self.parent = np.full(num_blocks, -1, dtype=np.int64)
         # content generation of a block (bumped whenever it is written from its first token) and, per block, its
@@ -288,38 +290,44 @@ class _SchedulerSide:
         self.step += 1
         preempted = list(so.preempted_req_ids or ())
         for rid in list(so.finished_req_ids) + preempted:
-            self.hasher.drop(rid)
+            self.forget(rid)
         self.counts["preempted"] += len(preempted)
         reqs: dict[str, ReqFacts] = {}
         kinds: set[str] = set()
-        for rid, n in so.num_scheduled_tokens.items():
-            req = self.reqs[rid]
-            pre, ext = int(req.num_computed_tokens), int(n)
-            ep, en = chain_truth(self.hasher, rid, req.all_token_ids, pre, ext)
-            reqs[rid] = ReqFacts(pre, ext, ep, en)
-            self._place_blocks(rid, pre, ext)
+        rids = list(so.num_scheduled_tokens)
+        states = [self.reqs[rid] for rid in rids]
+        pre = np.fromiter((int(r.num_computed_tokens) for r in states), dtype=np.int64, count=len(rids))
+        ext = np.fromiter((int(so.num_scheduled_tokens[rid]) for rid in rids), dtype=np.int64, count=len(rids))
+        # the step's token truth in bulk (chain_truth per request is its oracle)
+        t = self.chains.forward(rids, pre, ext, [r.all_token_ids for r in states])
+        ep, en = t.expect_prefix.tolist(), t.expect_new.tolist()
+        pk, nk = t.prefix_known.tolist(), t.new_known.tolist()
+        written: dict[str, list[int]] = {}
+        for i, (rid, req, p, e) in enumerate(zip(rids, states, pre.tolist(), ext.tolist(), strict=True)):
+            reqs[rid] = ReqFacts(p, e, ep[i] if pk[i] else None, en[i] if nk[i] else None)
+            written[rid] = self._place_blocks(rid, p, e)
             prompt = int(req.num_prompt_tokens)
-            kinds.add("prefill" if pre < prompt else "decode")
-            self.counts["chunked"] += int(pre + ext < prompt)
+            kinds.add("prefill" if p < prompt else "decode")
+            self.counts["chunked"] += int(p + e < prompt)
         for rid in so.scheduled_new_reqs:
             self.counts["prefix_hits"] += int(rid.num_computed_tokens > 0)
         self.counts["mixed_steps"] += int(len(kinds) == 2)
-        self._levels(reqs)
+        self._levels(reqs, written)
         iv = self.cfg.canary.sweep_interval
         export = self.export() if iv and self.step % iv == 0 and self.pool is not None else None
         return KVCanaryMetadata(self.step, reqs, export)
 
-    def _levels(self, reqs: dict[str, ReqFacts]) -> None:
-        """Requests whose prefix holds blocks other requests write in this step (shared blocks: ref_cnt > 1). Costs
-        O(new blocks) per request; the prefixes are scanned only in steps that write a shared block."""
+    def _levels(self, reqs: dict[str, ReqFacts], written: dict[str, list[int]]) -> None:
+        """Requests whose prefix holds blocks other requests write in this step (shared blocks: ref_cnt > 1;
+        ``written``: the blocks each request writes). Costs O(new blocks) per request; the prefixes are scanned only in
+        steps that write a shared block."""
         if self.manager is None or self.pool is None:
             return
         writer: dict[int, str] = {}
-        for rid, f in reqs.items():
-            blocks = self.manager.get_block_ids(rid)[0]
-            for k in range(f.prefix_len // self.bs, min((f.prefix_len + f.extend_len - 1) // self.bs + 1, len(blocks))):
-                if self.pool.blocks[blocks[k]].ref_cnt > 1:
-                    writer[blocks[k]] = rid
+        for rid, blocks in written.items():
+            for b in blocks:
+                if self.pool.blocks[b].ref_cnt > 1:
+                    writer[b] = rid
         if not writer:
             return
         reads = {rid: [writer[b] for b in self.manager.get_block_ids(rid)[0][:f.prefix_len // self.bs]
@@ -334,19 +342,33 @@ class _SchedulerSide:
                 break
         self.counts["same_step_hits"] += sum(1 for f in reqs.values() if f.level)
 
-    def _place_blocks(self, rid: str, pre: int, ext: int) -> None:
-        """Record first position and parent of the blocks this step writes (O(new blocks))."""
+    def forget(self, rid: str) -> None:
+        """A request that finished or was preempted: its token truth and block placement start over."""
+        self.chains.drop(rid)
+        self.placed.pop(rid, None)
+
+    def _place_blocks(self, rid: str, pre: int, ext: int) -> list[int]:
+        """Record first position and parent of the blocks this step writes (O(new blocks)); returns those blocks. A step
+        that writes only into the middle of the block this request placed last (most decode steps) changes nothing and
+        asks vLLM for nothing."""
         if self.manager is None:
-            return
-        blocks = self.manager.get_block_ids(rid)[0]
+            return []
         first, last = pre // self.bs, (pre + ext - 1) // self.bs
-        for k in range(first, min(last + 1, len(blocks))):
+        done = self.placed.get(rid)
+        if done is not None and first == last == done[0] and pre % self.bs:
+            return [done[1]]
+        blocks = self.manager.get_block_ids(rid)[0]
+        end = min(last + 1, len(blocks))
+        if end > first:
+            self.placed[rid] = (end - 1, blocks[end - 1])
+        for k in range(first, end):
             b = blocks[k]
             if k * self.bs >= pre:  # written from its first token: new content
                 self.gen[b] += 1
             self.first_pos[b] = k * self.bs
             self.parent[b] = blocks[k - 1] if k > 0 else -1
             self.parent_gen[b] = self.gen[blocks[k - 1]] if k > 0 else 0
+        return list(blocks[first:end])
 
     def export(self) -> CacheExport:
         """Vectorized export of the cached blocks (those the pool holds a hash for) that chain to cached parents."""
@@ -683,7 +705,7 @@ class KVCanaryConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Release the request's token truth; its blocks are freed as usual."""
         if self.sched is not None:
             self.sched.reqs.pop(request.request_id, None)
-            self.sched.hasher.drop(request.request_id)
+            self.sched.forget(request.request_id)
         return False, None
 
     @classmethod
