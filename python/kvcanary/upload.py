@@ -84,15 +84,16 @@ class Upload:
 
     def steady(self, batch: BatchView, step: int, shape: tuple[int, int]) -> bool:
         """A steady batch (forward ``step``, bound ``shape``): every live request holds its row and continues it with
-        its new tokens (a decode, a speculative round, the next chunk of a prefill), whose truth is given, under the
-        FULL policy and CHAIN truth. Checked, hashed and staged by one native call (``begin_decode``,
-        docs/ops-contract.md 8c). False, with nothing changed, for any other batch (:meth:`begin` takes it); bad input
+        its new tokens (a decode, a speculative round, the next chunk of a prefill), whose truth is given (the tokens,
+        or the engine's own expected chains), under the FULL policy and CHAIN truth. Tokens: checked, hashed and staged
+        by one native call (``begin_decode``, docs/ops-contract.md 8c); given chains: staged as they are
+        (:meth:`_stage_given`). False, with nothing changed, for any other batch (:meth:`begin` takes it); bad input
         raises CanaryInputError (``BatchView.validate``'s message where it has one) before anything changes. The
         caller has checked the batch's fit (capacities, slot table)."""
-        new = batch.true_new_tokens
-        if new is None or not self._bulk(batch):
+        new, given = batch.true_new_tokens, batch.expected_chains
+        if not self._decodes or self._offset(batch) != self.chains.offset or (given is None and new is None):
             return False
-        ids = batch.request_ids
+        ids, done = batch.request_ids, False
         try:
             rows = host_i64(batch.req_pool_indices_host)
             if not self._held(rows, ids):
@@ -101,7 +102,10 @@ class Upload:
             if None in ids:  # a C-level scan: np.not_equal on an object array costs far more
                 live &= np.not_equal(request_keys(ids), None)  # type: ignore[call-overload]
             host = (rows, host_i64(batch.prefix_lens_host), host_i64(batch.extend_lens_host))
-            done = self._decode(batch, _sources(batch), host, new, live, step, shape)
+            if given is not None:
+                done = self._stage_given(batch, host, given, live, step, shape)
+            elif new is not None:
+                done = self._decode(batch, _sources(batch), host, new, live, step, shape)
         except (TypeError, ValueError) as err:  # the native checks: this library's error for the same input
             cfg = self.config
             batch.validate(self.pool, cfg.req_capacity, cfg.token_capacity, self.state.device)
@@ -184,6 +188,28 @@ class Upload:
         self._staged(k, bs, nt, shape)
         return True
 
+    def _stage_given(self, batch: BatchView, host: tuple[np.ndarray, ...],
+                     given: Sequence[tuple[int | None, int | None]], live: np.ndarray, step: int,
+                     shape: tuple[int, int]) -> bool:
+        """A held batch with the engine's expected chains: the chains and flag mask into a staging row, one
+        ``stage_batch`` (which checks the batch arrays). False, with nothing changed, where the general path must look
+        (rows outside the table, host facts that do not fit the batch)."""
+        rows, pre, ext = host
+        bs, nt = rows.shape[0], batch.input_ids.shape[0]
+        if len(given) != bs or not all_set((rows >= 0) & (rows < self.pool.req_rows)) or \
+                (bs and (int(ext.max()) > nt or int(np.maximum(ext, 0).sum()) > nt)):
+            return False
+        k = self._index
+        if self._copied:
+            self._copied[k].synchronize()
+        out = self._host[k][:, :bs]
+        _expect(out, _given_chains(given, live), live, pre)
+        out[3:] = 0  # no stripes, no reuse check: every request holds its row
+        self._stage(_sources(batch), k, *self._pads(bs, nt, shape))
+        self.requests.ran(rows, live, pre, step)
+        self._staged(k, bs, nt, shape)
+        return True
+
     def _bulk(self, batch: BatchView) -> bool:
         """Whether ``batch``'s truth may go through ``begin_decode``: the FULL policy and CHAIN truth, bulk truth given
         (``true_new_tokens``, checked by the caller), no engine-given chains, the rows' token offset."""
@@ -256,13 +282,7 @@ class Upload:
         else:
             new = None if batch.true_new_tokens is None else host_i64(batch.true_new_tokens)
             t = self.chains.forward(rows, live, pre, ext, new, batch.true_tokens)
-        out[0], out[1] = t.expect_prefix, t.expect_new
-        drop_pre = live & (pre > 0) & ~t.prefix_known
-        drop_new = live & ~t.new_known
-        if np.count_nonzero(drop_pre) or np.count_nonzero(drop_new):
-            out[2] = np.where(drop_pre, NO_PREFIX, KEEP_ALL) & np.where(drop_new, NO_NEW, KEEP_ALL)
-        else:
-            out[2] = KEEP_ALL  # everything known (a steady decode): no selects
+        _expect(out, t, live, pre)
 
     def _offset(self, batch: BatchView) -> int:
         return self.pool.token_offset if batch.token_offset is None else batch.token_offset
@@ -321,6 +341,17 @@ def _sources(batch: BatchView) -> tuple[torch.Tensor, ...]:
     """The six batch tensors the staging copies, in ``stage_batch``'s order."""
     return (batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, batch.input_ids, batch.positions,
             batch.out_cache_loc)
+
+
+def _expect(out: np.ndarray, t: BatchTruth, live: np.ndarray, pre: np.ndarray) -> None:
+    """Staging rows 0-2: EXPECT_PREFIX / EXPECT_NEW values, and per request the flag mask dropping the unknown ones."""
+    out[0], out[1] = t.expect_prefix, t.expect_new
+    drop_pre = live & (pre > 0) & ~t.prefix_known
+    drop_new = live & ~t.new_known
+    if np.count_nonzero(drop_pre) or np.count_nonzero(drop_new):
+        out[2] = np.where(drop_pre, NO_PREFIX, KEEP_ALL) & np.where(drop_new, NO_NEW, KEEP_ALL)
+    else:
+        out[2] = KEEP_ALL  # everything known (a steady decode): no selects
 
 
 def _given_chains(given: Sequence[tuple[int | None, int | None]], live: np.ndarray) -> BatchTruth:

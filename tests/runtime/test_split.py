@@ -4,6 +4,7 @@ truth form)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +14,8 @@ from kvcanary.errors import CanaryInputError
 from kvcanary.health import Coverage
 from kvcanary.manager import CanaryManager
 from kvcanary.stripes import Stripes
+from kvcanary.truth import ChainHasher, chain_truth
+from kvcanary.upload import Upload
 from kvcanary_schema import CounterCol, Group, Half, LaunchTag, PlanCol, PlanFlag, PlanStatusCol, RecordField, Stage
 
 from .fake_engine import FakeEngine
@@ -155,6 +158,54 @@ def test_bulk_truth_form_reports_like_the_list_form(flip: RecordField) -> None:
         m.flush()
         rows = sorted((v.tag.name, int(v.reasons), v.slot, v.position) for r in m.reports for v in r.violations)
         out.append((rows, m.state.sink.counters.clone(), m.state.truth_rows.clone()))
+    assert out[0][0] and out[0][0] == out[1][0]
+    assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][2], out[1][2])
+
+
+def _given(b: BatchView, hasher: ChainHasher, unknown: str | None) -> BatchView:
+    """The same batch as an engine that hashes the truth itself hands it over (vLLM's scheduler): expected chains,
+    no tokens; ``unknown``'s chains withheld (None)."""
+    chains = [(None, None) if rid is None or rid == unknown else
+              chain_truth(hasher, rid, hist, p, e) for rid, hist, p, e in
+              zip(b.request_ids, b.true_tokens or (), b.prefix_lens_host, b.extend_lens_host, strict=True)]
+    return dataclasses.replace(b, true_tokens=None, true_new_tokens=None, expected_chains=chains)
+
+
+@pytest.mark.parametrize("unknown", [None, "r2"])
+def test_given_chains_report_like_the_list_form(unknown: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given chains of held rows take the steady path (every forward after the first): the same reports, counters and
+    staged truth as the list form, unknown chains dropped by the flag mask."""
+    staged = []
+    real = Upload._stage_given
+
+    def counted(self: Upload, *a: Any) -> bool:
+        staged.append(real(self, *a))
+        return staged[-1]
+    monkeypatch.setattr(Upload, "_stage_given", counted)
+    out = []
+    for given in (False, True):
+        eng, m = setup(n_reqs=3, mode="log")
+        hasher = ChainHasher()
+        for k in range(6):
+            if k == 4:
+                r = eng.reqs["r1"]
+                slot = int(eng.req_to_token[r.row, r.kv_len - 1])
+                m.state.groups[0].tail.records[slot, 0, RecordField.TOKEN] += 1
+            b = eng.batch()
+            if given:
+                b = _given(b, hasher, unknown)
+            elif unknown is not None:
+                b = dataclasses.replace(b, true_tokens=[None if rid == unknown else h for rid, h in
+                                                        zip(b.request_ids, b.true_tokens or (), strict=True)])
+            m.begin_forward(b)
+            m.pre_forward()
+            eng.forward(b)
+            m.post_forward()
+            m.end_forward()
+        m.flush()
+        rows = sorted((v.tag.name, int(v.reasons), v.slot, v.position) for r in m.reports for v in r.violations)
+        out.append((rows, m.state.sink.counters.clone(), m.state.truth_rows.clone()))
+    assert staged == [True] * 5  # the first forward claims its rows (general path), the other five are steady
     assert out[0][0] and out[0][0] == out[1][0]
     assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][2], out[1][2])
 
