@@ -8,10 +8,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
-from collections import defaultdict
-from collections.abc import Callable
-from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -19,21 +15,9 @@ import kvcanary.integrations.vllm as kv  # noqa: E402
 import kvcanary.manager as mg  # noqa: E402
 
 from bench import bench_vllm as B  # noqa: E402
+from bench.call_times import time_calls  # noqa: E402
 
-TIMES: dict[str, list[float]] = defaultdict(list)
-
-
-def timed(owner: type, name: str) -> None:
-    """Record every call's seconds of ``owner.name`` under ``name``."""
-    fn: Callable[..., Any] = getattr(owner, name)
-
-    def wrapper(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            TIMES[name].append(time.perf_counter() - t)
-    setattr(owner, name, wrapper)
+TIMES: dict[str, list[float]] = {}
 
 
 def main() -> None:
@@ -42,7 +26,7 @@ def main() -> None:
                         (kv._SchedulerSide, "_levels"), (mg.CanaryManager, "begin_forward"),
                         (mg.CanaryManager, "pre_forward"), (mg.CanaryManager, "post_forward"),
                         (mg.CanaryManager, "end_forward")):
-        timed(owner, name)
+        time_calls(owner, name, TIMES)
     with tempfile.TemporaryDirectory() as d:
         path = B.model(d)
         reqs = B.workload(kind, 32 if kind == "decode" else 24)

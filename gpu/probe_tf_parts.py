@@ -7,9 +7,6 @@ work, not a wait for earlier queued work). Usage: [SYNC=1] python3 gpu/probe_tf_
 import os
 import statistics
 import sys
-import time
-from collections import defaultdict
-from typing import Any
 
 import kvcanary.integrations.transformers as kt
 import kvcanary.manager as mg
@@ -17,32 +14,17 @@ import torch
 from kvcanary.config import CanaryConfig
 
 from bench.bench_transformers import LLAMA_1B, LLAMA_TINY, StepTimer, build_model, prompts, run_once
+from bench.call_times import time_calls
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 cfg = LLAMA_1B if (sys.argv[2] if len(sys.argv) > 2 else "1b") == "1b" else LLAMA_TINY
 batch, prompt = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (32, 1024)
-times: dict[str, list[float]] = defaultdict(list)
-sync = os.environ.get("SYNC") == "1" and device == "cuda"
-
-
-def timed(owner: Any, name: str) -> None:
-    fn = getattr(owner, name)
-
-    def wrapper(*a: Any, **k: Any) -> Any:
-        if sync:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            times[name].append(time.perf_counter() - t)
-    setattr(owner, name, wrapper)
-
-
+times: dict[str, list[float]] = {}
+sync = torch.cuda.synchronize if os.environ.get("SYNC") == "1" and device == "cuda" else None
 for owner, name in ((kt.HFPoolAdapter, "batch_view"), (mg.CanaryManager, "begin_forward"),
                     (mg.CanaryManager, "pre_forward"), (mg.CanaryManager, "post_forward"),
                     (mg.CanaryManager, "end_forward"), (kt.HFPoolAdapter, "_read_slots")):
-    timed(owner, name)
+    time_calls(owner, name, times, sync)
 
 model = build_model(cfg, device, torch.bfloat16 if device == "cuda" else torch.float32)
 ps = prompts(batch, prompt, cfg["vocab_size"])

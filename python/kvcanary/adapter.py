@@ -217,10 +217,14 @@ class BatchView:
                        ("batch.extend_lens", self.extend_lens)), dtype=_INDEX_DTYPES, shape=(bs,), device=device)
         check_tensors((("batch.input_ids", self.input_ids), ("batch.positions", self.positions),
                        ("batch.out_cache_loc", self.out_cache_loc)), dtype=_INDEX_DTYPES, shape=(n,), device=device)
-        ext = np.asarray(self.extend_lens_host, dtype=np.int64)
-        # each at most n first: then the int64 sum of a batch's lengths cannot wrap
-        if ext.size and (int(ext.max()) > n or int(np.maximum(ext, 0).sum()) > n):
+        if not extends_fit(np.asarray(self.extend_lens_host, dtype=np.int64), n):
             raise CanaryInputError(f"batch.extend_lens_host sums to more than the {n} new tokens")
+
+
+def extends_fit(ext: np.ndarray, n: int) -> bool:
+    """Whether the extend lengths ``ext`` (int64) claim at most ``n`` new tokens in all (negative ones count 0)."""
+    # each at most n first: then the int64 sum of a batch's lengths cannot wrap
+    return not ext.size or (int(ext.max()) <= n and int(np.maximum(ext, 0).sum()) <= n)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from kvcanary_schema import STAGE_INLINE_ROWS, TOKEN_LIMIT, PlanFlag, TokenTruth
 
-from kvcanary.adapter import BatchView, PoolDescription
+from kvcanary.adapter import BatchView, PoolDescription, extends_fit
 from kvcanary.config import CanaryConfig, CoveragePolicy
 from kvcanary.errors import CanaryInputError, KVCanaryInternalError
 from kvcanary.health import Health
@@ -91,7 +91,7 @@ class Upload:
         raises CanaryInputError (``BatchView.validate``'s message where it has one) before anything changes. The
         caller has checked the batch's fit (capacities, slot table)."""
         new, given = batch.true_new_tokens, batch.expected_chains
-        if not self._decodes or self._offset(batch) != self.chains.offset or (given is None and new is None):
+        if not self._chain_rows(batch) or (given is None and new is None):
             return False
         ids, done = batch.request_ids, False
         try:
@@ -137,10 +137,7 @@ class Upload:
         self._claim(rows, keys, claims, pre, capture, reuse)
         if not capture and self._continued(batch, rows, live, pre, ext, src, step, reuse, shape):
             return
-        k = self._index
-        if self._copied:
-            self._copied[k].synchronize()
-        out = self._host[k][:, :bs]
+        k, out = self._staging_row(bs)
         out[3], out[4] = 0, reuse  # stripe and reuse ends; _truth writes rows 0-2
         if self.stripes is not None:
             self._stripe_ends(keys, live, pre, capture, out[3])
@@ -152,10 +149,9 @@ class Upload:
                 self.chains.h[rows], self.chains.n[rows] = h, n
             else:  # fresh chains for a new token offset: untouched
                 self.chains.reset(rows)
-        self._stage(src, k, *self._pads(bs, nt, shape))
+        self._stage_row(src, k, bs, nt, shape)
         if not capture:
             self.requests.ran(rows, live, pre, step)
-        self._staged(k, bs, nt, shape)
 
     def _continued(self, batch: BatchView, rows: np.ndarray, live: np.ndarray, pre: np.ndarray, ext: np.ndarray,
                    src: tuple[torch.Tensor, ...], step: int, reuse: np.ndarray, shape: tuple[int, int]) -> bool:
@@ -164,7 +160,8 @@ class Upload:
         under the FULL policy and CHAIN truth with bulk truth given, when every live row then continues its chain.
         False, with only the catch-up done, otherwise (the caller's numpy path takes the batch)."""
         new = batch.true_new_tokens
-        if new is None or not self._bulk(batch) or not self.chains.reach(rows, live, pre, batch.true_tokens):
+        if new is None or batch.expected_chains is not None or not self._chain_rows(batch) or \
+                not self.chains.reach(rows, live, pre, batch.true_tokens):
             return False
         return self._decode(batch, src, (rows, pre, ext), new, live, step, shape, reuse)
 
@@ -196,24 +193,32 @@ class Upload:
         (rows outside the table, host facts that do not fit the batch)."""
         rows, pre, ext = host
         bs, nt = rows.shape[0], batch.input_ids.shape[0]
-        if len(given) != bs or not all_set((rows >= 0) & (rows < self.pool.req_rows)) or \
-                (bs and (int(ext.max()) > nt or int(np.maximum(ext, 0).sum()) > nt)):
+        if len(given) != bs or not all_set((rows >= 0) & (rows < self.pool.req_rows)) or not extends_fit(ext, nt):
             return False
+        k, out = self._staging_row(bs)
+        _expect(out, _given_chains(given, live), live, pre)
+        out[3:] = 0  # no stripes, no reuse check: every request holds its row
+        self._stage_row(_sources(batch), k, bs, nt, shape)  # checks the batch arrays before anything changes
+        self.requests.ran(rows, live, pre, step)
+        return True
+
+    def _chain_rows(self, batch: BatchView) -> bool:
+        """Whether ``batch``'s truth may take a steady path (``begin_decode`` or given chains): the FULL policy and
+        CHAIN truth, the rows' token offset."""
+        return self._decodes and self._offset(batch) == self.chains.offset
+
+    def _staging_row(self, bs: int) -> tuple[int, np.ndarray]:
+        """The staging row the next stage_batch reads, once the launch that read it last has run, and its host view of
+        ``bs`` columns."""
         k = self._index
         if self._copied:
             self._copied[k].synchronize()
-        out = self._host[k][:, :bs]
-        _expect(out, _given_chains(given, live), live, pre)
-        out[3:] = 0  # no stripes, no reuse check: every request holds its row
-        self._stage(_sources(batch), k, *self._pads(bs, nt, shape))
-        self.requests.ran(rows, live, pre, step)
-        self._staged(k, bs, nt, shape)
-        return True
+        return k, self._host[k][:, :bs]
 
-    def _bulk(self, batch: BatchView) -> bool:
-        """Whether ``batch``'s truth may go through ``begin_decode``: the FULL policy and CHAIN truth, bulk truth given
-        (``true_new_tokens``, checked by the caller), no engine-given chains, the rows' token offset."""
-        return self._decodes and batch.expected_chains is None and self._offset(batch) == self.chains.offset
+    def _stage_row(self, src: tuple[torch.Tensor, ...], k: int, bs: int, nt: int, shape: tuple[int, int]) -> None:
+        """``stage_batch`` of the ``bs`` x ``nt`` batch ``src`` with staging row ``k``, padded to ``shape``."""
+        self._stage(src, k, *self._pads(bs, nt, shape))
+        self._staged(k, bs, nt, shape)
 
     def _pads(self, bs: int, nt: int, shape: tuple[int, int]) -> tuple[int, int]:
         """(pad_rows, pad_tokens) of a batch of ``bs`` rows and ``nt`` tokens staged at the bound ``shape``: rows up to

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcanary.adapter import BatchView
 from kvcanary.config import CanaryConfig
 from kvcanary.manager import CanaryManager, install
 from kvcanary.report import Violation, WindowReport
@@ -23,14 +24,18 @@ def setup(n_reqs: int = 3, prompt_len: int = 5, engine: FakeEngine | None = None
     return eng, m
 
 
-def step(eng: FakeEngine, m: CanaryManager, pad_to: int = 0) -> WindowReport | None:
-    """One bracketed forward."""
-    b = eng.batch(pad_to=pad_to)
+def bracket(eng: FakeEngine, m: CanaryManager, b: BatchView) -> WindowReport | None:
+    """Forward ``b`` inside the canary's bracket."""
     m.begin_forward(b)
     m.pre_forward()
     eng.forward(b)
     m.post_forward()
     return m.end_forward()
+
+
+def step(eng: FakeEngine, m: CanaryManager, pad_to: int = 0) -> WindowReport | None:
+    """One bracketed forward."""
+    return bracket(eng, m, eng.batch(pad_to=pad_to))
 
 
 def run(eng: FakeEngine, m: CanaryManager, n: int, pad_to: int = 0) -> list[WindowReport]:

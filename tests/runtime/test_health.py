@@ -12,7 +12,7 @@ from kvcanary.health import CanaryHealthError
 from kvcanary.manager import CanaryManager
 from kvcanary_schema import Stage
 
-from .helpers import run, setup, step
+from .helpers import bracket, run, setup, step
 
 
 def _skip_tail_verify_once(monkeypatch: pytest.MonkeyPatch, m: CanaryManager) -> None:
@@ -95,11 +95,7 @@ def test_overflow_and_input_errors_reported() -> None:
     run(eng, m, 1)
     b = eng.batch()
     b.prefix_lens[0] = -5  # a data-dependent bad value: counted by the plan, never raised before launch
-    m.begin_forward(b)
-    m.pre_forward()
-    eng.forward(b)
-    m.post_forward()
-    m.end_forward()
+    bracket(eng, m, b)
     m.flush()
     assert "input_errors" in [p.kind for p in m.health.problems]
 

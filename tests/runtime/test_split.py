@@ -19,7 +19,7 @@ from kvcanary.upload import Upload
 from kvcanary_schema import CounterCol, Group, Half, LaunchTag, PlanCol, PlanFlag, PlanStatusCol, RecordField, Stage
 
 from .fake_engine import FakeEngine
-from .helpers import run, setup, total
+from .helpers import bracket, run, setup, total
 
 TAIL_K = int(LaunchTag.of(Stage.TAIL, Half.K, Group.FULL))
 
@@ -37,11 +37,7 @@ def _forward(eng: FakeEngine, m: CanaryManager, fast: bool = False) -> None:
     b = eng.batch()
     if fast:
         b = _bulk(b)
-    m.begin_forward(b)
-    m.pre_forward()
-    eng.forward(b)
-    m.post_forward()
-    m.end_forward()
+    bracket(eng, m, b)
 
 
 def _bulk(b: BatchView) -> BatchView:
@@ -197,11 +193,7 @@ def test_given_chains_report_like_the_list_form(unknown: str | None, monkeypatch
             elif unknown is not None:
                 b = dataclasses.replace(b, true_tokens=[None if rid == unknown else h for rid, h in
                                                         zip(b.request_ids, b.true_tokens or (), strict=True)])
-            m.begin_forward(b)
-            m.pre_forward()
-            eng.forward(b)
-            m.post_forward()
-            m.end_forward()
+            bracket(eng, m, b)
         m.flush()
         rows = sorted((v.tag.name, int(v.reasons), v.slot, v.position) for r in m.reports for v in r.violations)
         out.append((rows, m.state.sink.counters.clone(), m.state.truth_rows.clone()))
@@ -261,11 +253,7 @@ def test_a_steady_decode_with_bad_input_raises_before_any_change(bad: str, backe
                                                  "extend": "extend_lens_host"}[bad]):
         m.begin_forward(broken)
     assert all((x == y).all() for x, y in zip(before, (chains.h, chains.n, m.upload.requests.seen), strict=True))
-    m.begin_forward(b)
-    m.pre_forward()
-    eng.forward(b)
-    m.post_forward()
-    m.end_forward()
+    bracket(eng, m, b)
     assert not m.upload.any_new and (chains.n != before[1]).any()  # the steady decode advanced the rows
     assert m.flush() is not None and sum(r.total for r in m.reports) == 0
 
@@ -317,11 +305,7 @@ def test_the_steady_path_leaves_what_the_general_path_leaves(backend: str, view:
             b = _bulk(eng.batch(pad_to=4))
             if view:
                 b = dataclasses.replace(b, req_to_token=b.req_to_token[:])
-            m.begin_forward(b)
-            m.pre_forward()
-            eng.forward(b)
-            m.post_forward()
-            m.end_forward()
+            bracket(eng, m, b)
         got, want = (_state(m) for _, m in engines)
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), i
     assert taken == [False] + [True] * 5  # the prefill's requests are new to their rows, every decode is steady

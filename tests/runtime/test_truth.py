@@ -9,7 +9,7 @@ from kvcanary.manager import install
 from kvcanary_schema import FailReason
 
 from .fake_engine import FakeEngine, kv_value
-from .helpers import run, setup, total, violations
+from .helpers import bracket, run, setup, total, violations
 
 
 @pytest.mark.parametrize("truth", ["chain", "pool", "off"])
@@ -60,11 +60,7 @@ def test_no_truth_given_means_no_false_positive() -> None:
         b = BatchView(b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token, b.input_ids, b.positions,
                       b.out_cache_loc, b.request_ids, b.req_pool_indices_host, b.prefix_lens_host,
                       b.extend_lens_host, None)
-        m.begin_forward(b)
-        m.pre_forward()
-        eng.forward(b)
-        m.post_forward()
-        m.end_forward()
+        bracket(eng, m, b)
     m.flush()
     assert m.reports and all(r.total == 0 for r in m.reports)
 

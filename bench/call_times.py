@@ -1,0 +1,22 @@
+"""The probes' timer: a class's methods patched to record each call's host seconds under their names."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def time_calls(owner: type, name: str, times: dict[str, list[float]], before: Callable[[], None] | None = None) -> None:
+    """Patch ``owner.name`` to append each call's seconds to ``times[name]`` (``before``: run first, untimed)."""
+    fn: Callable[..., Any] = getattr(owner, name)
+
+    def wrapper(*a: Any, **k: Any) -> Any:
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            times.setdefault(name, []).append(time.perf_counter() - t)
+    setattr(owner, name, wrapper)
