@@ -12,6 +12,7 @@ from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.invalidate import invalidate
 from kvcanary.ops.plan import derive_roll, plan_forward, plan_roll
 from kvcanary.ops.scatter_tokens import scatter_tokens
+from kvcanary.ops.slot_rows import slot_rows
 from kvcanary.ops.stage_batch import stage_batch
 from kvcanary.ops.types import Sink, TokenPool
 from kvcanary.ops.verify import verify
@@ -111,6 +112,13 @@ def main() -> None:
         rec = torch.zeros(rng.randint(1, 2), slots, rng.randint(1, 2), RECORD_NUM_FIELDS, dtype=torch.int64, device=dev)
         ids = torch.randint(-9, slots + 9, (rng.randint(0, 3000),), dtype=rng.choice([torch.int32, torch.int64]))
         invalidate(rec, ids if seed % 2 else ids.to(dev), rng.randint(0, slots), "cuda")
+        # slot-row fill: rows outside the table, segments leaving src, negative lengths and slots
+        bs, width = rng.randint(0, 9), rng.randint(1, 50)
+        m = rng.randint(0, 300)
+        slot_rows(torch.zeros(rng.randint(1, 6), width, dtype=rng.choice([torch.int32, torch.int64]), device=dev),
+                  *(torch.randint(lo, hi, (bs,), device=dev) for lo, hi in ((-3, 9), (-5, m + 5), (-5, 80))),
+                  torch.randint(-9, 1 << 40, (m,), device=dev), torch.zeros(40, dtype=torch.int64, device=dev),
+                  torch.randint(-9, 1 << 40, (40,), device=dev), rng.randint(1, 9), 1, backend="cuda")
         if sc.fp is not None:
             src = fp_to(sc.fp, dev)
             assert src is not None

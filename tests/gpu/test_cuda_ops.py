@@ -14,6 +14,7 @@ from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.invalidate import bind_invalidate, invalidate
 from kvcanary.ops.plan import derive_roll, plan_forward, plan_roll, plan_sweep
 from kvcanary.ops.scatter_tokens import scatter_tokens
+from kvcanary.ops.slot_rows import slot_rows
 from kvcanary.ops.stage_batch import begin_decode, stage_batch
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
 from kvcanary.ops.verify import verify
@@ -655,6 +656,76 @@ def test_invalidate_bad_input_raises_before_any_launch() -> None:
             mod.invalidate(records, slots, reserved)
     torch.cuda.synchronize()
     assert torch.equal(rec, was)
+
+
+# ---- slot_rows ---------------------------------------------------------------------------------------------------
+
+def _slot_rows_on(case: dict[str, Any], device: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    c = {k: v.clone().to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    slot_rows(**c, backend=backend)
+    return c["table"].cpu(), c["out"].cpu()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_slot_rows_matches(seed: int) -> None:
+    """The CUDA op against the CPU op and the torch reference; large cases stride the grid over many rows."""
+    import test_slot_rows as TS  # noqa: PLC0415
+
+    case = TS._case(random.Random(seed))
+    if seed % 10 == 9:  # many requests of long segments (a grid smaller than its jobs)
+        bs, L = 3000, 700
+        lens = torch.randint(0, 900, (bs,), generator=torch.Generator().manual_seed(seed))
+        case = {"table": torch.zeros(bs, L, dtype=torch.int32), "rows": torch.randperm(bs), "lens": lens,
+                "starts": torch.cumsum(lens, 0) - lens, "src": torch.randint(-3, 10**6, (int(lens.sum()),)),
+                "out": torch.zeros(5000, dtype=torch.int64), "write": torch.randint(-3, 10**6, (5000,)),
+                "stride": 7, "page": 4}
+    want = _slot_rows_on(case, "cpu", "cpu")
+    for backend in ("cuda", "torch"):
+        got = _slot_rows_on(case, CUDA, backend)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (seed, backend)
+
+
+def test_slot_rows_replays_in_a_graph() -> None:
+    """Captured once; each replay reads the row facts and slots the buffers hold then."""
+    def case(seed: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(-1, 7, (3,), generator=g)
+        return {"table": torch.randint(-5, 9, (4, 6), generator=g), "rows": torch.randint(-1, 5, (3,), generator=g),
+                "starts": torch.randint(-1, 6, (3,), generator=g), "lens": lens,
+                "src": torch.randint(-3, 99, (11,), generator=g, dtype=torch.int32),
+                "out": torch.zeros(6, dtype=torch.int64), "write": torch.randint(-3, 99, (6,), generator=g),
+                "stride": 6, "page": 4}
+    buf = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in case(0).items()}
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        slot_rows(**buf, backend="cuda")
+    torch.cuda.current_stream().wait_stream(side)
+    for seed in range(1, 6):
+        now = case(seed)
+        for k, v in now.items():
+            if isinstance(v, torch.Tensor):
+                buf[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = _slot_rows_on(now, "cpu", "cpu")
+        assert torch.equal(buf["table"].cpu(), want[0]) and torch.equal(buf["out"].cpu(), want[1]), seed
+
+
+def test_slot_rows_bad_input_raises_before_any_launch() -> None:
+    from kvcanary import _native  # noqa: PLC0415
+
+    mod = _native.module("cuda")
+    table, out = torch.zeros(2, 3, dtype=torch.int64, device=CUDA), torch.zeros(2, dtype=torch.int64, device=CUDA)
+    one = torch.zeros(1, dtype=torch.int64, device=CUDA)
+    src, write = torch.zeros(2, dtype=torch.int64, device=CUDA), torch.zeros(2, dtype=torch.int64, device=CUDA)
+    for args in ((table, one.cpu(), one, one, src, out, write, 4, 2), (table, one, one, one, src, out, write[:1], 4, 2),
+                 (table, one, one, one, src, out, write, 2, 4), (table.cpu(), one, one, one, src, out, write, 4, 2),
+                 (table, one, one, one, src.float(), out, write, 4, 2)):
+        with pytest.raises((TypeError, ValueError)):
+            mod.slot_rows(*args)
+    torch.cuda.synchronize()
+    assert not table.any() and not out.any()
 
 
 # ---- stage_batch -------------------------------------------------------------------------------------------------

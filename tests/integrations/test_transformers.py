@@ -22,6 +22,7 @@ from hf_util import (  # skips the module without transformers 5.23.0
 )
 from kvcanary.config import CanaryConfig
 from kvcanary.integrations import transformers as kt
+from kvcanary.ops.slot_rows import slot_rows
 from kvcanary.report import CanaryViolationError, Violation
 from kvcanary_schema import FailReason, Group, Half, LaunchTag, Stage
 
@@ -542,7 +543,10 @@ def test_dense_slots(llama: Any) -> None:
         stride = ad.stride
         assert stride == 2 * PAGE * 2 and ad.num_slots == ad.total_blocks * PAGE
         s = torch.tensor([0, 5, stride + 15, stride + 16, 7 * stride + 3, -1, 3 * stride - 1])
-        assert ad.dense(s).tolist() == [0, 5, PAGE + 15, -1, 7 * PAGE + 3, -1, -1]
+        out = torch.zeros(7, dtype=torch.int64)  # the write slots' conversion of the adapter's slot_rows call
+        slot_rows(ad.req_to_token, *(torch.zeros(0, dtype=torch.int64),) * 3, s[:0], out, s, ad.stride, ad.page,
+                  ad.backend)
+        assert out.tolist() == [0, 5, PAGE + 15, -1, 7 * PAGE + 3, -1, -1]
     finally:
         handle.uninstall()
         mgr.destroy()

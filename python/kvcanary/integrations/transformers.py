@@ -21,6 +21,7 @@ from kvcanary.config import CanaryConfig, CanaryMode
 from kvcanary.errors import CanaryInputError, KVCanaryError
 from kvcanary.manager import CanaryManager
 from kvcanary.manager import install as install_manager
+from kvcanary.ops.slot_rows import slot_rows
 from kvcanary.ops.types import SourceSpec
 from kvcanary.report import ReportSink, Violation, WindowReport
 from kvcanary.truth import new_token_truth
@@ -151,7 +152,8 @@ class HFPoolAdapter:
     """
 
     def __init__(self, cache: Any, req_rows: int | None = None, max_context: int | None = None,
-                 max_position_embeddings: int | None = None, req_capacity: int = DEFAULT_REQ_CAPACITY) -> None:
+                 max_position_embeddings: int | None = None, req_capacity: int = DEFAULT_REQ_CAPACITY,
+                 backend: str = "torch") -> None:
         if list(cache.cache_allocators) != [_FULL]:
             raise TransformersIntegrationError(f"kvcanary guards full-attention-only models; this cache has groups "
                                                f"{list(cache.cache_allocators)}")
@@ -164,6 +166,7 @@ class HFPoolAdapter:
         self.num_slots = self.total_blocks * self.page
         self.reserved_slots = 2 * bps * self.page
         self.device = torch.device(cache.device)
+        self.backend = backend  # slot_rows' (the canary's)
         self.num_layers = len(alloc.layer_indices)
         usable = self.num_slots - self.reserved_slots
         # every live request owns at least one block of its own (a prefix hit never covers its last token)
@@ -212,14 +215,6 @@ class HFPoolAdapter:
 
     # ------------------------------------------------------------------ slots and rows
 
-    def dense(self, sparse: torch.Tensor) -> torch.Tensor:
-        """transformers' sparse slot rows -> dense slots (int64); rows that are no token slot -> NO_SLOT."""
-        s = sparse.to(torch.int64)
-        block = torch.div(s, self.stride, rounding_mode="floor")
-        off = torch.sub(s, block, alpha=self.stride)
-        # block * page + off, as s - block * (stride - page): one op fewer (each small op costs a launch)
-        return torch.where((s >= 0) & (off < self.page), torch.sub(s, block, alpha=self.stride - self.page), NO_SLOT)
-
     def row(self, request_id: str) -> int:
         """The request's row of req_to_token (assigned on first sight, freed when its blocks are freed)."""
         r = self._rows.get(request_id)
@@ -248,33 +243,24 @@ class HFPoolAdapter:
     def batch_view(self, io: Any, reqs: Sequence[_Req]) -> BatchView:
         """The forward's batch view: the slot table is what the attention reads (``read_index``), the write slots
         what it writes (``write_index``), both converted to dense slots. The rows are rebuilt from the read index every
-        forward, so the canary verifies exactly what the attention reads, in few launches (each small op costs tens of
-        µs of host time): the row facts in one copy, the read and write slots converted in one pass, one scatter."""
+        forward, so the canary verifies exactly what the attention reads: the row facts in one copy, then one
+        ``slot_rows`` call (docs/ops-contract.md 12) fills the rows and converts the write slots."""
         ids = [r.request_id for r in reqs]
         rows = [self.row(i) for i in ids]
         pre = [r.prefix_len for r in reqs]
         ext = [r.extend_len for r in reqs]
-        bs, n, width = len(reqs), int(io.total_seqlen_q), self.max_context
+        bs, n = len(reqs), int(io.total_seqlen_q)
         kv = np.add(pre, ext, dtype=np.int64)
         total = int(kv.sum())
-        starts = np.cumsum(kv) - kv
-        meta = torch.from_numpy(np.concatenate([rows, pre, ext, kv, starts, np.multiply(rows, width)])).to(self.device)
+        meta = torch.from_numpy(np.concatenate([rows, pre, ext, kv, np.cumsum(kv) - kv])).to(self.device)
         write = io.write_index_storage[0, :n]
-        if not total:
-            slots = self.dense(write)
-        else:
-            slots = self.dense(torch.cat((self._read_slots(io, reqs, total, n), write)))
-            # flat table index of each read position, row * width + column (a column past the table clamped: the plan
-            # flags such a request as an input error, the fill stays in bounds)
-            index = torch.arange(total, device=self.device)
-            index -= torch.repeat_interleave(meta[4 * bs:5 * bs], meta[3 * bs:4 * bs], output_size=total)
-            if int(kv.max()) > width:
-                index.clamp_(max=width - 1)
-            index += torch.repeat_interleave(meta[5 * bs:], meta[3 * bs:4 * bs], output_size=total)
-            self.req_to_token.view(-1).index_copy_(0, index, slots[:total].to(self.req_to_token.dtype))
+        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        src = self._read_slots(io, reqs, total, n) if total else write[:0]
+        slot_rows(self.req_to_token, meta[:bs], meta[4 * bs:], meta[3 * bs:4 * bs], src, out, write, self.stride,
+                  self.page, self.backend)
         truth = [_History(r.state.initial_tokens, r.state.generated_tokens) for r in reqs]
-        return BatchView(meta[0:bs], meta[bs:2 * bs], meta[2 * bs:3 * bs], self.req_to_token, io.input_ids[:n],
-                         io.position_ids[:n], slots[total:], ids, rows, pre, ext, truth,
+        return BatchView(meta[:bs], meta[bs:2 * bs], meta[2 * bs:3 * bs], self.req_to_token, io.input_ids[:n],
+                         io.position_ids[:n], out, ids, rows, pre, ext, truth,
                          true_new_tokens=new_token_truth(truth, pre, ext, n))
 
     def _read_slots(self, io: Any, reqs: Sequence[_Req], total: int, n: int) -> torch.Tensor:
@@ -365,7 +351,8 @@ class _Session:
         cache = proc.cache
         text_cfg = hf_manager.model.config.get_text_config()
         self.adapter = HFPoolAdapter(cache, handle.req_rows, handle.max_context,
-                                     getattr(text_cfg, "max_position_embeddings", None), handle.config.req_capacity)
+                                     getattr(text_cfg, "max_position_embeddings", None), handle.config.req_capacity,
+                                     handle.config.resolved_backend(torch.device(cache.device).type))
         self.canary: CanaryManager = install_manager(self.adapter, handle.config,
                                                      sinks=[handle._on_report, *handle.sinks])
         self.graphs = any(hf_manager.continuous_batching_config.cuda_graph_booleans)

@@ -1,0 +1,87 @@
+// slot_rows (docs/ops-contract.md 12): an engine's per-request slot lists in another addressing (a flat list of read
+// slots, one segment per request, and the write slots) converted to table-space slots and filled into slot-table rows.
+// The argument checks and the conversion both modules share.
+#pragma once
+
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+#include "tensor_checks.h"
+
+namespace kvcanary {
+
+// The table-space slot of engine slot `s`: blocks of `stride` rows hold `page` token slots each; rows past them (and
+// negative ids) are no token slot. block * page + (s - block * stride), as s - block * (stride - page).
+KVC_HD int64_t table_slot(int64_t s, int64_t stride, int64_t page) {
+  if (s < 0) return NO_SLOT;
+  const int64_t block = s / stride;
+  return s - block * stride < page ? s - block * (stride - page) : NO_SLOT;
+}
+
+// A slot as the table's dtype stores it: NO_SLOT when it does not fit an int32 table.
+KVC_HD int64_t storable_slot(int64_t s, bool i32) {
+  return i32 && s > std::numeric_limits<int32_t>::max() ? NO_SLOT : s;
+}
+
+struct SlotRowsArgs {
+  int64_t bs, R, L, m, n, stride, page;
+};
+
+// An int32 or int64 vector read as int64.
+struct IndexVec {
+  const void* p;
+  bool i32;
+  KVC_HD int64_t operator[](int64_t i) const {
+    return i32 ? static_cast<const int32_t*>(p)[i] : static_cast<const int64_t*>(p)[i];
+  }
+};
+
+// table int32/int64 [R, L]; rows, starts, lens int64 [bs]; src int32/int64 [m]; out int64 [n]; write int32/int64 [n];
+// every tensor contiguous on `device`'s type and on the table's device; 1 <= page <= stride.
+inline SlotRowsArgs check_slot_rows_args(DLDeviceType device, const TensorView& table, const TensorView& rows,
+                                         const TensorView& starts, const TensorView& lens, const TensorView& src,
+                                         const TensorView& out, const TensorView& write, int64_t stride,
+                                         int64_t page) {
+  check_slot_table(table, table, "table", "table");
+  check_device_type(table, device, "table");
+  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{rows, "rows"}, {starts, "starts"},
+                                {lens, "lens"}, {out, "out"}}) {
+    check_i64_tensor(t, table, 1, name, "table");
+  }
+  const int64_t bs = rows.size(0);
+  check_dim(starts, 0, bs, "starts");
+  check_dim(lens, 0, bs, "lens");
+  for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{src, "src"}, {write, "write"}}) {
+    check_index_dtype(t, name);
+    check_ndim(t, 1, name);
+    check_contiguous(t, name);
+    check_same_device(t, table, name, "table");
+  }
+  check_dim(write, 0, out.size(0), "write");
+  TVM_FFI_CHECK(page >= 1 && stride >= page, ValueError)
+      << "slot_rows needs 1 <= page <= stride, got page " << page << ", stride " << stride;
+  return SlotRowsArgs{bs, table.size(0), table.size(1), src.size(0), out.size(0), stride, page};
+}
+
+// The positions of request i that get filled: [0, min(len, L)) of a request whose row lies in the table and whose
+// segment [start, start + len) lies in src; 0 for any other request (the plan reports its row or lengths).
+KVC_HD int64_t filled_positions(int64_t row, int64_t start, int64_t len, const SlotRowsArgs& a) {
+  if (row < 0 || row >= a.R || start < 0 || len < 0 || start > a.m || len > a.m - start) return 0;
+  return len < a.L ? len : a.L;
+}
+
+// Position j of request i: table[row, j] = the table slot of src[start + j], as the table stores it.
+KVC_HD void fill_slot(void* table, bool t32, int64_t row, int64_t j, int64_t s, const SlotRowsArgs& a) {
+  const int64_t v = storable_slot(table_slot(s, a.stride, a.page), t32);
+  if (t32) {
+    static_cast<int32_t*>(table)[row * a.L + j] = static_cast<int32_t>(v);
+  } else {
+    static_cast<int64_t*>(table)[row * a.L + j] = v;
+  }
+}
+
+}  // namespace kvcanary

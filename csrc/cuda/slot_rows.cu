@@ -1,0 +1,66 @@
+// CUDA slot-row fill (docs/ops-contract.md 12): one launch. Block b < bs fills request b's row (its threads stride over
+// the positions); the blocks after them convert the write slots, kSlotRowsThreads each; a grid smaller than that
+// strides over the same work.
+#include <tvm/ffi/function.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/slot_rows.h"
+#include "cuda/cuda_common.cuh"
+
+namespace kvcanary {
+namespace cuda {
+namespace {
+
+constexpr int kSlotRowsThreads = 256;
+
+struct SlotRowsParams {
+  void* table;
+  bool t32;
+  const int64_t *rows, *starts, *lens;
+  IndexVec src, write;
+  int64_t* out;
+  SlotRowsArgs a;
+  int64_t jobs;  // bs row jobs, then the write slots' chunks
+};
+
+__global__ void __launch_bounds__(kSlotRowsThreads) slot_rows_kernel(const SlotRowsParams p) {
+  await_prior_kernels();
+  const SlotRowsArgs& a = p.a;
+  for (int64_t b = blockIdx.x; b < p.jobs; b += gridDim.x) {
+    if (b < a.bs) {
+      const int64_t row = p.rows[b], start = p.starts[b];
+      const int64_t k = filled_positions(row, start, p.lens[b], a);
+      for (int64_t j = threadIdx.x; j < k; j += kSlotRowsThreads) {
+        fill_slot(p.table, p.t32, row, j, p.src[start + j], a);
+      }
+    } else {
+      const int64_t k = (b - a.bs) * kSlotRowsThreads + threadIdx.x;
+      if (k < a.n) p.out[k] = table_slot(p.write[k], a.stride, a.page);
+    }
+  }
+}
+
+}  // namespace
+
+void slot_rows(TensorView table, TensorView rows, TensorView starts, TensorView lens, TensorView src, TensorView out,
+               TensorView write, int64_t stride, int64_t page) {
+  const SlotRowsArgs a = check_slot_rows_args(kDLCUDA, table, rows, starts, lens, src, out, write, stride, page);
+  const int64_t jobs = a.bs + ceil_div(a.n, kSlotRowsThreads);
+  if (jobs == 0) return;
+  const DLDevice dev = table.device();
+  tvm::ffi::CUDADeviceGuard guard(dev.device_id);
+  const SlotRowsParams p{table.data_ptr(), is_i32(table), static_cast<const int64_t*>(rows.data_ptr()),
+                         static_cast<const int64_t*>(starts.data_ptr()), static_cast<const int64_t*>(lens.data_ptr()),
+                         IndexVec{src.data_ptr(), is_i32(src)}, IndexVec{write.data_ptr(), is_i32(write)},
+                         static_cast<int64_t*>(out.data_ptr()), a, jobs};
+  const int64_t max_blocks = 8 * static_cast<int64_t>(sm_count(dev.device_id));
+  launch_kernel(slot_rows_kernel, static_cast<unsigned>(std::min(jobs, max_blocks)), kSlotRowsThreads,
+                stream_of(dev), dev.device_id, p);
+}
+
+}  // namespace cuda
+}  // namespace kvcanary
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(slot_rows, kvcanary::cuda::slot_rows);
