@@ -34,6 +34,17 @@ def test_hand_vector(backend: str) -> None:
     assert out.tolist() == [5, NO_SLOT, NO_SLOT, 8]  # 7: block 1 offset 1; 10: offset 4; 12: block 2 offset 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_named_twice_keeps_the_last_request_per_position(backend: str) -> None:
+    """Requests 0 and 2 name row 1 (3 and 1 positions), request 1 names it with a segment past src (fills nothing):
+    position 0 is request 2's, positions 1-2 request 0's (stride = page: slots map to themselves)."""
+    table = torch.full((2, 4), 77, dtype=torch.int64)
+    src = i64([10, 11, 12, 20])
+    out = torch.zeros(0, dtype=torch.int64)
+    slot_rows(table, i64([1, 1, 1]), i64([0, 3, 3]), i64([3, 9, 1]), src, out, i64([]), 5, 5, backend=backend)
+    assert table.tolist() == [[77] * 4, [20, 11, 12, 77]]
+
+
 def _case(rng: random.Random) -> dict[str, object]:
     stride = rng.randint(1, 9)
     page = rng.randint(1, stride)

@@ -1,6 +1,7 @@
 // CUDA slot-row fill (docs/ops-contract.md 12): one launch. Block b < bs fills request b's row (its threads stride over
-// the positions); the blocks after them convert the write slots, kSlotRowsThreads each; a grid smaller than that
-// strides over the same work.
+// the positions) from the first position no later request naming the same row reaches, so a row named twice ends as
+// the CPU's in-order loop leaves it; the blocks after them convert the write slots, kSlotRowsThreads each; a grid
+// smaller than that strides over the same work.
 #include <tvm/ffi/function.h>
 
 #include <algorithm>
@@ -25,16 +26,28 @@ struct SlotRowsParams {
   int64_t jobs;  // bs row jobs, then the write slots' chunks
 };
 
+// `later`: the most positions a later request naming this block's row fills.
 __global__ void __launch_bounds__(kSlotRowsThreads) slot_rows_kernel(const SlotRowsParams p) {
+  __shared__ unsigned long long later;
   await_prior_kernels();
   const SlotRowsArgs& a = p.a;
   for (int64_t b = blockIdx.x; b < p.jobs; b += gridDim.x) {
-    if (b < a.bs) {
+    if (b < a.bs) {  // block-uniform branch: the barriers below are reached by every thread
       const int64_t row = p.rows[b], start = p.starts[b];
       const int64_t k = filled_positions(row, start, p.lens[b], a);
-      for (int64_t j = threadIdx.x; j < k; j += kSlotRowsThreads) {
+      if (threadIdx.x == 0) later = 0;
+      __syncthreads();
+      unsigned long long mine = 0;
+      for (int64_t i = b + 1 + threadIdx.x; k > 0 && i < a.bs; i += kSlotRowsThreads) {
+        if (p.rows[i] == row) mine = max(mine, static_cast<unsigned long long>(filled_positions(row, p.starts[i],
+                                                                                                  p.lens[i], a)));
+      }
+      if (mine > 0) atomicMax(&later, mine);
+      __syncthreads();
+      for (int64_t j = static_cast<int64_t>(later) + threadIdx.x; j < k; j += kSlotRowsThreads) {
         fill_slot(p.table, p.t32, row, j, p.src[start + j], a);
       }
+      __syncthreads();  // every thread has read `later` before the next request's block resets it
     } else {
       const int64_t k = (b - a.bs) * kSlotRowsThreads + threadIdx.x;
       if (k < a.n) p.out[k] = table_slot(p.write[k], a.stride, a.page);

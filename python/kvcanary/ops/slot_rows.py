@@ -23,7 +23,8 @@ def slot_rows(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, len
     (request i's read slots at ``src[starts[i] : starts[i] + lens[i]]``, positions 0, 1, ...); ``out`` int64 ``[n]`` and
     ``write`` int32/int64 ``[n]``; all on one device. ``table[rows[i], j] = slot(src[starts[i] + j])`` for
     ``j < min(lens[i], L)``; a request whose row lies outside the table or whose segment leaves ``src`` fills nothing
-    (the plan reports its row or lengths). ``out[k] = slot(write[k])``. ``slot(s)``: the engine addresses blocks of
+    (the plan reports its row or lengths). Requests apply in order: a row named twice holds, at each position, the
+    last of them that reaches it. ``out[k] = slot(write[k])``. ``slot(s)``: the engine addresses blocks of
     ``stride`` rows of which the first ``page`` are token slots, so ``slot(s) = s - (s // stride) * (stride - page)``
     for ``s >= 0`` with ``s % stride < page``, else NO_SLOT (and NO_SLOT for a slot an int32 table cannot hold).
     """
