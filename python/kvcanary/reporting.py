@@ -6,7 +6,6 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -21,10 +20,11 @@ from kvcanary_schema import (
 )
 
 from kvcanary.config import CanaryConfig, CanaryMode
+from kvcanary.errors import KVCanaryInternalError
 from kvcanary.health import CanaryHealthError, Health, HealthProblem
+from kvcanary.ops.stage_window import WindowStager
 from kvcanary.report import CanaryViolationError, Metrics, ReportSink, StepBatch, Violation, WindowReport, decode_rows
 from kvcanary.state import CanaryState
-from kvcanary.streams import CurrentStream
 from kvcanary.sweep import SweepSlice
 
 logger = logging.getLogger("kvcanary")
@@ -34,9 +34,10 @@ _SNAP_COUNTERS = NUM_LAUNCH_TAGS * NUM_COUNTER_COLS
 
 @dataclass
 class _Pending:
-    """A staged window whose snapshot is in flight to the host."""
+    """A staged window whose snapshot is in flight to the host (arrived once its buffer's tag reads ``tag``)."""
 
     index: int
+    tag: int
     first_step: int
     last_step: int
     expected: np.ndarray
@@ -88,13 +89,15 @@ class Reporter:
         self._last_counters = np.zeros((NUM_LAUNCH_TAGS, NUM_COUNTER_COLS), dtype=np.int64)
         d = state.device
         cuda = d.type == "cuda"
-        # two snapshot buffers in host memory (CUDA: pinned, copied into on the forward's stream); per buffer the event
-        # after its copy (reused; CPU: True, the copy is done), None once its window is collected
-        self._host = [torch.zeros(state.snapshot.numel(), dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self._snaps = [Snapshot.of(h.numpy(), len(state.groups)) for h in self._host]
-        self._events: list[Any] = [None, None]
-        self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else []  # type: ignore[no-untyped-call]
-        self._stream = CurrentStream(d.index or 0) if cuda else None
+        # two snapshot buffers in host memory (CUDA: pinned, written by the staging kernel on the forward's stream),
+        # each [tag | snapshot]: stage_window writes the tag last, so a buffer whose tag reads its pending window's has
+        # arrived (no event); per buffer the pending tag, None once its window is collected
+        self._host = [torch.zeros(1 + state.snapshot.numel(), dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._tags = [h.numpy()[:1] for h in self._host]
+        self._snaps = [Snapshot.of(h.numpy()[1:], len(state.groups)) for h in self._host]
+        self._staged: list[int | None] = [None, None]
+        self._stager = WindowStager(state.window_head, state.sink.count, state.sink.rows, state.reset_span,
+                                    self._host, state.backend)
         # The alarm: the ring count (rows emitted since the last staging; it only grows until the next one). CPU: a
         # view of the live count. CUDA: the post stage's last kernel mirrors it into pinned host memory (state.alarm),
         # tagged with the device's post-forward phase, so the host reads it with no copy or event. The staging after
@@ -112,28 +115,20 @@ class Reporter:
         return self.window_first <= forwards or bool(self.sweeps_staged)
 
     def stage(self, forwards: int) -> None:
-        """Snapshot counters, ring and plan status of the window into host memory on the forward's stream; reset the
-        ring."""
-        st = self.state
+        """Snapshot counters, plan status and the kept ring rows of the window into host memory on the forward's stream
+        and reset the ring (one ``stage_window``)."""
         k = self._next
         self._next ^= 1
-        if self._events[k] is not None:  # the buffer's previous window must have been collected
+        if self._staged[k] is not None:  # the buffer's previous window must have been collected
             self.collect(block=True)
-        # in stream order: the snapshot leaves before the reset (CUDA: an async copy into pinned memory, no extra
-        # buffer or stream)
-        self._host[k].copy_(st.snapshot, non_blocking=True)
-        st.reset_span.zero_()
-        if self._stream is None:
-            self._events[k] = True
-        else:
-            self._copied[k].record(self._stream.get())
-            self._events[k] = self._copied[k]
-        self.pending.append(_Pending(k, self.window_first, forwards, self.health.expected.copy(),
+        self.stagings += 1
+        tag = self._staged[k] = self.stagings  # fresh per staging: a buffer's old tag never reads as arrived
+        self._stager(k, tag)  # in stream order: the snapshot is read before the reset
+        self.pending.append(_Pending(k, tag, self.window_first, forwards, self.health.expected.copy(),
                                      self.health.expected_forwards, self.sweeps_staged))
         self.sweeps_staged = 0
         self.window_first = forwards + 1
         self._staged_at = forwards
-        self.stagings += 1
 
     def alarmed(self) -> bool:
         """Whether violation rows were emitted since the last staging: CPU as of now, CUDA as of the latest forward
@@ -148,13 +143,14 @@ class Reporter:
         last = None
         while self.pending:
             p = self.pending[0]
-            ev = self._events[p.index]
-            if ev is not True:  # CUDA: the copy's event
-                if not block and not ev.query():
+            if self._tags[p.index][0] != p.tag:  # CUDA: not arrived yet (CPU: staged synchronously)
+                if not block:
                     break
-                ev.synchronize()
+                torch.cuda.synchronize(self.state.device)
+                if self._tags[p.index][0] != p.tag:
+                    raise KVCanaryInternalError(f"window snapshot {p.tag} did not arrive after a device sync")
             self.pending.popleft()
-            self._events[p.index] = None
+            self._staged[p.index] = None
             last = self._report(p)
         return last
 

@@ -87,7 +87,8 @@ class CanaryState:
         n_ctr, n_ws = NUM_LAUNCH_TAGS * NUM_COUNTER_COLS, len(self.groups) * NUM_PLAN_STATUS_COLS
         self.arena = _i64(3 + n_ctr + 1 + n_ws + config.ring_capacity * NUM_VIOLATION_COLS, device=d)
         o = 3 + n_ctr
-        self.snapshot = self.arena[1:]  # what a window stages
+        self.snapshot = self.arena[1:]  # what a window stages: its head, then the ring rows
+        self.window_head = self.arena[1:o + 1 + n_ws]
         self.pre_tick = self.arena[0:2]  # step, pre-forward phase
         self.post_tick = self.arena[2:3]  # post-forward phase
         self.reset_span = self.arena[o:o + 1 + n_ws]  # ring count + window status

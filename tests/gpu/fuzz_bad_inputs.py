@@ -14,6 +14,7 @@ from kvcanary.ops.plan import derive_roll, plan_forward, plan_roll
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.slot_rows import slot_rows
 from kvcanary.ops.stage_batch import stage_batch
+from kvcanary.ops.stage_window import stage_window
 from kvcanary.ops.types import Sink, TokenPool
 from kvcanary.ops.verify import verify
 from kvcanary.ops.write import write, write_workspace
@@ -119,6 +120,12 @@ def main() -> None:
                   *(torch.randint(lo, hi, (bs,), device=dev) for lo, hi in ((-3, 9), (-5, m + 5), (-5, 80))),
                   torch.randint(-9, 1 << 40, (m,), device=dev), torch.zeros(40, dtype=torch.int64, device=dev),
                   torch.randint(-9, 1 << 40, (40,), device=dev), rng.randint(1, 9), 1, backend="cuda")
+        # window staging: counts below 0 and past the ring, the count and reset inside the head
+        cap, cols = rng.randint(0, 40), rng.randint(1, 8)
+        arena = torch.randint(-9, 9, (6 + cap * cols,), device=dev)
+        arena[2] = rng.randint(-5, cap + 5)
+        stage_window(arena[:6], arena[2:3], arena[6:].view(cap, cols), arena[2:6],
+                     torch.zeros(7 + cap * cols, dtype=torch.int64).pin_memory(), seed, backend="cuda")
         if sc.fp is not None:
             src = fp_to(sc.fp, dev)
             assert src is not None

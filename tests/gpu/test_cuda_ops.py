@@ -16,6 +16,7 @@ from kvcanary.ops.plan import derive_roll, plan_forward, plan_roll, plan_sweep
 from kvcanary.ops.scatter_tokens import scatter_tokens
 from kvcanary.ops.slot_rows import slot_rows
 from kvcanary.ops.stage_batch import begin_decode, stage_batch
+from kvcanary.ops.stage_window import stage_window
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
 from kvcanary.ops.verify import verify
 from kvcanary.ops.write import write, write_workspace
@@ -728,6 +729,80 @@ def test_slot_rows_bad_input_raises_before_any_launch() -> None:
             mod.slot_rows(*args)
     torch.cuda.synchronize()
     assert not table.any() and not out.any()
+
+
+# ---- stage_window ------------------------------------------------------------------------------------------------
+
+def _window_on(arena: torch.Tensor, views: dict[str, torch.Tensor], device: str, backend: str,
+               tag: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dst, the arena after) of one stage_window on a copy of ``arena`` on ``device`` (dst pinned, -7 everywhere)."""
+    a = arena.clone().to(device)
+    v = {k: a[t.storage_offset():t.storage_offset() + t.numel()].view(t.shape) for k, t in views.items()}
+    dst = torch.full((1 + arena.numel(),), -7, dtype=torch.int64).pin_memory()
+    stage_window(v["head"], v["count"], v["rows"], v["reset"], dst, tag, backend=backend)
+    torch.cuda.synchronize()
+    return dst, a.cpu()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_stage_window_matches(seed: int) -> None:
+    """The CUDA op against the CPU op and the torch reference on the canary's arena layout (count and reset inside
+    the head); large cases stride the block over thousands of rows."""
+    import test_stage_window as TW  # noqa: PLC0415
+
+    arena, views, n = TW.arena_case(random.Random(seed))
+    if seed % 10 == 9:  # a ring of 3000 rows of 8, most kept
+        h, cap, c = 40, 3000, 8
+        arena = torch.randint(-(1 << 62), 1 << 62, (h + cap * c,))
+        arena[5] = 2900 if seed < 20 else 5000
+        views = {"head": arena[:h], "count": arena[5:6], "rows": arena[h:].view(cap, c), "reset": arena[5:30]}
+        n = 1 + h + min(int(arena[5]), cap) * c
+    want, arena_want = _window_on(arena, views, "cpu", "cpu", seed + 3)
+    for backend in ("cuda", "torch"):
+        got, arena_got = _window_on(arena, views, CUDA, backend, seed + 3)
+        assert torch.equal(got[:n], want[:n]) and torch.equal(arena_got, arena_want), (seed, backend)
+    got, _ = _window_on(arena, views, CUDA, "cuda", seed + 3)
+    assert bool((got[n:] == -7).all())  # the native op writes no row past the kept ones
+
+
+def test_stage_window_replays_in_a_graph() -> None:
+    """Captured once; each replay stages what the arena holds then (the tag is the captured one)."""
+    arena = torch.zeros(4 + 5 * 2, dtype=torch.int64, device=CUDA)
+    views = (arena[:4], arena[1:2], arena[4:].view(5, 2), arena[1:3])
+    dst = torch.full((15,), -7, dtype=torch.int64).pin_memory()
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        stage_window(*views, dst, 9, backend="cuda")
+    torch.cuda.current_stream().wait_stream(side)
+    for seed in range(1, 6):
+        now = torch.randint(-99, 99, arena.shape, generator=torch.Generator().manual_seed(seed))
+        now[1] = seed - 1
+        arena.copy_(now)
+        dst.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = [9, *now[:4].tolist(), *now[4:4 + 2 * (seed - 1)].tolist()]
+        assert dst[:len(want)].tolist() == want and dst[len(want):].eq(-7).all(), seed
+        assert arena[1:3].eq(0).all() and torch.equal(arena[3:].cpu(), now[3:]), seed
+
+
+def test_stage_window_bad_input_raises_before_any_launch() -> None:
+    from kvcanary import _native  # noqa: PLC0415
+
+    mod = _native.module("cuda")
+    arena = torch.arange(10, dtype=torch.int64, device=CUDA)
+    head, count, rows, reset = arena[:4], arena[2:3], arena[4:].view(3, 2), arena[2:4]
+    dst = torch.zeros(11, dtype=torch.int64).pin_memory()
+    with pytest.raises(CanaryInputError, match="pinned"):
+        stage_window(head, count, rows, reset, torch.zeros(11, dtype=torch.int64), 1, backend="cuda")
+    for args in ((head, count, rows, reset, torch.zeros(11, dtype=torch.int64)),  # pageable
+                 (head, count, rows, reset, dst[:10]), (head, arena[2:4], rows, reset, dst),
+                 (head, count, rows.cpu(), reset, dst), (head, count, rows, reset, dst.to(CUDA))):
+        with pytest.raises((TypeError, ValueError)):
+            mod.stage_window(*args, 1)
+    torch.cuda.synchronize()
+    assert torch.equal(arena.cpu(), torch.arange(10)) and not dst.any()
 
 
 # ---- stage_batch -------------------------------------------------------------------------------------------------
