@@ -12,7 +12,7 @@ from line_profiler import LineProfiler
 
 prof = LineProfiler()
 for owner, names in ((mg.CanaryManager, ("begin_forward", "_begin_steady", "_begin", "_begun", "end_forward")),
-                     (up.Upload, ("steady", "_decode", "begin")), (kt.HFPoolAdapter, ("batch_view", "dense"))):
+                     (up.Upload, ("steady", "_decode", "begin")), (kt.HFPoolAdapter, ("batch_view", "_read_slots"))):
     for name in names:
         setattr(owner, name, prof(getattr(owner, name)))
 runpy.run_path("gpu/probe_tf_parts.py", run_name="__main__")

@@ -110,6 +110,20 @@ def test_bad_input() -> None:
     assert "b" not in ch and "c" not in ch and "d" not in ch
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(-2, 8), st.integers(0, 3)), max_size=6), st.integers(0, 2))
+def test_new_token_truth_against_a_slice_per_row(rows: list[tuple[int, int, int]], offset: int) -> None:
+    """The contract as one slice per row (decoding rows take a faster path): hist[p + offset : p + offset + e], padded
+    with -1 to e."""
+    hist = [[100 * i + k for k in range(n)] for i, (n, _, _) in enumerate(rows)]
+    pre, ext = [p for _, p, _ in rows], [e for _, _, e in rows]
+    want: list[int] = []
+    for h, p, e in zip(hist, pre, ext, strict=True):
+        seg = h[p + offset:p + offset + e]
+        want += seg + [-1] * (e - len(seg))
+    assert new_token_truth(hist, pre, ext, len(want) + 1, offset).tolist() == [*want, -1]
+
+
 def test_new_token_truth_is_flat_like_input_ids_with_the_offset() -> None:
     """Hand-computed: row 0 continues at 2 with 2 tokens, row 1 (offset 1) runs past its history, row 2 is padding."""
     hist = [(10, 11, 12, 13), (20, 21, 22), ()]

@@ -145,6 +145,10 @@ def new_token_truth(truth: Sequence[Sequence[int]], pre: Sequence[int], ext: Seq
     ``truth[i][p + offset]``, flat like input_ids (rows' ``ext[i]`` tokens in order), -1 past a history's end."""
     flat: list[int] = []
     for hist, p, e in zip(truth, pre, ext, strict=True):  # one flat list, one conversion (not a copy per row)
+        q = p + offset
+        if e == 1 and q >= 0:  # a decoding row: its one token, no slice (a list per row costs more)
+            flat.append(hist[q] if q < len(hist) else -1)
+            continue
         seg = hist[p + offset:p + offset + e]
         flat.extend(seg)
         if len(seg) < e:
