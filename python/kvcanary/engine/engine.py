@@ -8,13 +8,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvcanary.hostcopy import packed
+
 from .batch import ForwardBatch, ForwardMode, PoolKind
 from .errors import ConfigError, EngineError, PoolExhaustedError, RequestError
 from .faults import IDLE_VICTIM, FaultConfig, FaultInjector
 from .hooks import EngineHooks, NullHooks
 from .model import ModelConfig, TinyTransformer
 from .pool import KVPool, PoolView, ReqToTokenPool, SlotAllocator, SwaMap
-from .radix import CachedChains, MatchResult, RadixCache, packed
+from .radix import CachedChains, MatchResult, RadixCache
 from .scheduler import ReqState, Request, Scheduler, sample_token
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from kvcanary.hostcopy import packed
 
 from .errors import ConfigError
 
@@ -82,18 +84,6 @@ class HostChains:
         ints, unlocked = packed(fields, self.unlocked, device)
         slots, starts, lens, first, prev = torch.split(ints, [f.size for f in fields])
         return CachedChains(slots, starts, lens, first, prev, unlocked, self.holders)
-
-
-def packed(parts: Sequence[np.ndarray], flags: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int64 ``parts`` (concatenated) and the bool ``flags`` on ``device`` in one copy without a sync: one host
-    buffer (pinned for CUDA) holds both. Only plain copies: no kernel the engine does not load anyway."""
-    n = sum(p.size for p in parts)
-    host = torch.empty(8 * n + flags.size, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    h = host.numpy()
-    np.concatenate(parts, out=h[:8 * n].view(np.int64))
-    h[8 * n:] = flags
-    on = host.to(device, non_blocking=True)
-    return on[:8 * n].view(torch.int64), on[8 * n:].view(torch.bool)
 
 
 class RadixCache:

@@ -19,6 +19,7 @@ from kvcanary_schema import DEFAULT_REQ_CAPACITY, NO_SLOT, Group
 from kvcanary.adapter import BatchView, GroupSpec, PoolDescription, PrefixCacheExport, copy_transfer
 from kvcanary.config import CanaryConfig, CanaryMode
 from kvcanary.errors import CanaryInputError, KVCanaryError
+from kvcanary.hostcopy import export_of_blocks
 from kvcanary.manager import CanaryManager
 from kvcanary.manager import install as install_manager
 from kvcanary.ops.slot_rows import slot_rows
@@ -222,7 +223,7 @@ class HFPoolAdapter:
         # the export of the last sweep and what it was built from: the block lifecycle calls touch(), so an unchanged
         # cache hands the sweep the same (immutable) export object again
         self.version = 0
-        self._export: tuple[tuple[int, int, int], PrefixCacheExport | None] | None = None
+        self._export: tuple[tuple[int, int, int], PrefixCacheExport] | None = None
         self._warned_fallback = False
         self._facts = _RowFacts(self.req_rows, self.device)
 
@@ -347,22 +348,16 @@ class HFPoolAdapter:
             self._export = (key, self._build_export())
         return self._export[1]
 
-    def _build_export(self) -> PrefixCacheExport | None:
+    def _build_export(self) -> PrefixCacheExport:
+        """The hashed blocks whose parent is hashed too, built on the host and moved in one copy (no stream sync)."""
         self.forget_hashes()
         valid = self._hashed
         chains = [(b, fp, par) for b, (_, fp, par) in valid.items() if par < 0 or par in valid]
-        d, p = self.device, self.page
-        if not chains:
-            z = torch.zeros(0, dtype=torch.int64, device=d)
-            return PrefixCacheExport(z, z, z, z, z, torch.zeros(0, dtype=torch.bool, device=d))
         cached = self.alloc.ledger.cached_blocks
-        host = torch.tensor([[b for b, _, _ in chains], [fp for _, fp, _ in chains],
-                             [par * p + p - 1 if par >= 0 else NO_SLOT for _, _, par in chains],
-                             [int(b in cached) for b, _, _ in chains]], dtype=torch.int64).to(d)
         n = len(chains)
-        slots = (host[0].unsqueeze(1) * p + torch.arange(p, device=d)).reshape(-1)
-        return PrefixCacheExport(slots, torch.arange(n, device=d) * p, torch.full((n,), p, dtype=torch.int64, device=d),
-                                 host[1].contiguous(), host[2].contiguous(), host[3].to(torch.bool))
+        blocks, first, parents = np.array(chains, dtype=np.int64).reshape(n, 3).T
+        unlocked = np.fromiter((b in cached for b in blocks.tolist()), dtype=bool, count=n)
+        return export_of_blocks(blocks, first, parents, self.page, unlocked, self.device)
 
     def copy_records(self, canary: CanaryManager, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
         """A fork copied whole blocks: copy their canary records along."""

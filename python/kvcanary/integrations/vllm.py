@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvcanary_schema import NO_SLOT, FingerprintMode, Group
+from kvcanary_schema import FingerprintMode, Group
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from kvcanary.adapter import BatchView, GroupSpec, PoolDescription, PrefixCacheExport
 from kvcanary.config import CanaryConfig, CanaryMode
 from kvcanary.errors import CanaryInputError, KVCanaryError
+from kvcanary.hostcopy import export_of_blocks
 from kvcanary.manager import CanaryManager, install
 from kvcanary.ops.types import SourceSpec
 from kvcanary.report import WindowReport
@@ -561,14 +562,8 @@ class _WorkerSide:
         self.host_us_total += us
 
     def _export(self, e: CacheExport) -> PrefixCacheExport:
-        bs, dev = self.block_size, self.canary.device if self.canary else torch.device("cpu")
-        blocks = torch.from_numpy(e.blocks).to(dev)
-        n = int(blocks.shape[0])
-        slots = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=dev)).reshape(-1)
-        parents = torch.from_numpy(e.parents).to(dev)
-        prev = torch.where(parents >= 0, parents * bs + bs - 1, torch.full_like(parents, NO_SLOT))
-        return PrefixCacheExport(slots, torch.arange(n, device=dev) * bs, torch.full((n,), bs, device=dev),
-                                 torch.from_numpy(e.first_positions).to(dev), prev)
+        dev = self.canary.device if self.canary else torch.device("cpu")
+        return export_of_blocks(e.blocks, e.first_positions, e.parents, self.block_size, None, dev)
 
     def _on_report(self, report: WindowReport) -> None:
         self.reports.append(report)

@@ -1,0 +1,38 @@
+"""hostcopy: host arrays packed into one copy, and a paged prefix cache's export built on the host (hand vectors)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from kvcanary.hostcopy import export_of_blocks, packed
+from kvcanary_schema import NO_SLOT
+
+
+def test_packed_keeps_each_part_and_the_flags() -> None:
+    ints, flags = packed((np.array([3, -1]), np.array([], dtype=np.int64), np.array([7])), np.array([True, False]),
+                         torch.device("cpu"))
+    assert ints.dtype == torch.int64 and ints.tolist() == [3, -1, 7]
+    assert flags is not None and flags.dtype == torch.bool and flags.tolist() == [True, False]
+    only, none = packed((np.array([5]),), None, torch.device("cpu"))
+    assert only.tolist() == [5] and none is None
+
+
+@pytest.mark.parametrize("unlocked", [None, np.array([False, True, True])])
+def test_export_of_blocks_hand_vector(unlocked: np.ndarray | None) -> None:
+    """Pages of 2 slots: block 4 (first, position 0), block 1 after it (position 2), block 9 (first of another
+    sequence)."""
+    e = export_of_blocks(np.array([4, 1, 9]), np.array([0, 2, 0]), np.array([-1, 4, -1]), 2, unlocked,
+                         torch.device("cpu"))
+    e.validate(torch.device("cpu"))
+    assert e.slots.tolist() == [8, 9, 2, 3, 18, 19]
+    assert e.starts.tolist() == [0, 2, 4] and e.lens.tolist() == [2, 2, 2]
+    assert e.first_positions.tolist() == [0, 2, 0] and e.prev_slots.tolist() == [NO_SLOT, 9, NO_SLOT]
+    assert (e.unlocked is None) if unlocked is None else e.unlocked.tolist() == [False, True, True]
+
+
+def test_export_of_no_blocks() -> None:
+    e = export_of_blocks(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), 16, None,
+                         torch.device("cpu"))
+    e.validate(torch.device("cpu"))
+    assert e.num_chains == 0 and e.slots.numel() == 0
