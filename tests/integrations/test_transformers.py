@@ -21,6 +21,7 @@ from hf_util import (  # skips the module without transformers 5.23.0
     wrap_instance,
 )
 from kvcanary.config import CanaryConfig
+from kvcanary.errors import CanaryInputError
 from kvcanary.integrations import transformers as kt
 from kvcanary.ops.slot_rows import slot_rows
 from kvcanary.report import CanaryViolationError, Violation
@@ -464,6 +465,23 @@ def test_internal_failure(llama: Any, prompts: list[list[int]], monkeypatch: pyt
         else:
             assert generate(llama, prompts[:1], max_new_tokens=3) == ref
             assert len(handle.failures) == 1 and handle.errors == [] and handle.stats["unbracketed_steps"] == 2
+
+
+@pytest.mark.parametrize("mode", ["raise", "log"])
+def test_request_past_max_context_is_an_input_error(llama: Any, mode: str) -> None:
+    """A request longer than the slot table: the plan would skip it and later sweeps would flag its never-written
+    blocks. It is refused before any canary launch: RAISE raises CanaryInputError, LOG turns the canary off on that
+    cache (generation unchanged, no violation)."""
+    ps = distinct_prompts((45, 50))
+    ref = generate(llama, ps, max_new_tokens=3)
+    with kt.install(llama, raise_config(mode=mode, sweep_interval=1), max_context=40) as handle:
+        if mode == "raise":
+            with pytest.raises(CanaryInputError, match="max_context=40"):
+                generate(llama, ps, max_new_tokens=3)
+        else:
+            assert generate(llama, ps, max_new_tokens=3) == ref
+            assert len(handle.failures) == 1 and isinstance(handle.failures[0], CanaryInputError)
+        assert handle.total_violations == 0
 
 
 # ------------------------------------------------------------------------------------------------- install / refusals

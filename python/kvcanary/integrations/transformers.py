@@ -146,9 +146,9 @@ class _RowFacts:
         self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else []  # type: ignore[no-untyped-call]
         self._k = 0
 
-    def stage(self, rows: Sequence[int], pre: Sequence[int], ext: Sequence[int]) -> tuple[torch.Tensor, int]:
-        """The facts of a batch of at most ``capacity`` requests on the device (CPU: a fresh tensor), and the sum of
-        the KV lengths."""
+    def stage(self, rows: Sequence[int], pre: Sequence[int], ext: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
+        """The facts of a batch of at most ``capacity`` requests on the device (CPU: a fresh tensor), and their KV
+        lengths on the host (valid until the buffer's next use, two batches on)."""
         bs, k = len(rows), self._k
         self._k ^= 1
         if self._copied:
@@ -159,13 +159,12 @@ class _RowFacts:
         np.add(h[1], h[2], out=h[3])
         np.cumsum(h[3], out=h[4])
         h[4] -= h[3]
-        total = int(h[4, -1] + h[3, -1]) if bs else 0
         if self._dev is None:
-            return host.clone(), total
+            return host.clone(), h[3]
         dev = self._dev[:5 * bs]
         dev.copy_(host, non_blocking=True)
         self._copied[k].record()
-        return dev, total
+        return dev, h[3]
 
 
 @dataclass(frozen=True)
@@ -287,7 +286,13 @@ class HFPoolAdapter:
         pre = [r.prefix_len for r in reqs]
         ext = [r.extend_len for r in reqs]
         bs, n = len(reqs), int(io.total_seqlen_q)
-        meta, total = self._facts.stage(rows, pre, ext)
+        meta, kv = self._facts.stage(rows, pre, ext)
+        if bs and int(kv.max()) > self.max_context:  # the plan would skip it: its blocks would never get records
+            i = int(kv.argmax())
+            raise CanaryInputError(f"request {ids[i]!r} reaches {int(kv[i])} positions, past the slot table's "
+                                   f"max_context={self.max_context} (the model's max_position_embeddings unless "
+                                   "install(..., max_context=N))")
+        total = int(kv.sum())
         write = io.write_index_storage[0, :n]
         out = torch.empty(n, dtype=torch.int64, device=self.device)
         src = self._read_slots(io, reqs, total, n) if total else write[:0]
