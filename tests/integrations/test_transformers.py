@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -549,22 +548,6 @@ def test_history_sequence() -> None:
     h = kt._History([1, 2, 3], [4, 5])
     assert len(h) == 5 and list(h) == [1, 2, 3, 4, 5] and h[-1] == 5 and h[3] == 4
     assert h[1:4] == [2, 3, 4] and h[0:2] == [1, 2] and h[3:5] == [4, 5] and h[::2] == [1, 3, 5] and h[4:2] == []
-
-
-def test_hashed_blocks_table_against_a_dict() -> None:
-    """The recorded blocks' table (rows moved on drop, grown past its start size) against a plain dict, seeded."""
-    rng = random.Random(3)
-    table, want = kt._HashedBlocks(), {}
-    for _ in range(3000):
-        b = rng.randrange(200)
-        if b in want and rng.random() < 0.4:
-            table.drop(b)
-            del want[b]
-        else:
-            want[b] = (rng.randrange(9), rng.randrange(999), rng.randrange(-1, 200))
-            table.put(b, *want[b])
-        assert table.n == len(want)
-    assert {int(r[0]): (table.hash[int(r[0])], int(r[1]), int(r[2])) for r in table.rows()} == want
 
 
 def test_dense_slots(llama: Any) -> None:

@@ -133,41 +133,6 @@ class _History(Sequence[int]):
         return self._a[k] if k < na else self._b[k - na]
 
 
-class _HashedBlocks:
-    """The blocks whose content hash the adapter recorded: block -> hash, and (block, first position, parent block or
-    -1) as int64 rows, so that the export is built by array operations, not a Python step per block."""
-
-    def __init__(self) -> None:
-        self.hash: dict[int, int] = {}
-        self._at: dict[int, int] = {}  # block -> its row
-        self._rows = np.zeros((64, 3), dtype=np.int64)
-        self.n = 0
-
-    def put(self, block: int, h: int, first: int, parent: int) -> None:
-        """Record (or re-record) ``block``."""
-        i = self._at.get(block)
-        if i is None:
-            if self.n == self._rows.shape[0]:
-                self._rows = np.concatenate([self._rows, np.zeros_like(self._rows)])
-            i = self._at[block] = self.n
-            self.n += 1
-        self._rows[i] = (block, first, parent)
-        self.hash[block] = h
-
-    def drop(self, block: int) -> None:
-        """Forget ``block`` (its row takes the last row's place)."""
-        i, last = self._at.pop(block), self.n - 1
-        del self.hash[block]
-        if i != last:
-            self._rows[i] = self._rows[last]
-            self._at[int(self._rows[i, 0])] = i
-        self.n = last
-
-    def rows(self) -> np.ndarray:
-        """int64 [n, 3]: (block, first position, parent) of every recorded block."""
-        return self._rows[:self.n]
-
-
 class _RowFacts:
     """A batch's row facts, int64 [5 * bs] flat: rows, prefix lengths, extend lengths, KV lengths and their exclusive
     running sum (each request's start in the read index). Filled in one of two pinned host buffers and copied to one
@@ -252,9 +217,7 @@ class HFPoolAdapter:
         self.req_to_token = torch.full((self.req_rows, self.max_context), NO_SLOT, dtype=dtype, device=self.device)
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(self.req_rows - 1, -1, -1))
-        self._hashed = _HashedBlocks()
-        self._stale = False  # blocks were freed since the last check of the recorded hashes against the ledger
-        self._ledger_hashes = 0  # the ledger's hash count at the last export
+        self._hashed: dict[int, tuple[int, int, int]] = {}  # block -> (content hash, first position, parent or -1)
         self._hashed_upto: dict[str, int] = {}  # request -> leading blocks of its table already recorded
         # the export of the last sweep and what it was built from: the block lifecycle calls touch(), so an unchanged
         # cache hands the sweep the same (immutable) export object again
@@ -366,17 +329,16 @@ class HFPoolAdapter:
             h = b2h.get(bt[i])
             if h is None:
                 break
-            if self._hashed.hash.get(bt[i]) != h:
-                self._hashed.put(bt[i], h, i * self.page, bt[i - 1] if i else -1)
+            if self._hashed.get(bt[i], (None, 0, 0))[0] != h:
+                self._hashed[bt[i]] = (h, i * self.page, bt[i - 1] if i else -1)
             i += 1
         self._hashed_upto[request_id] = i
 
     def forget_hashes(self) -> None:
         """Drop every recorded block whose hash the ledger no longer holds."""
         b2h = self.alloc.ledger.block_to_hash
-        for b in [b for b, h in self._hashed.hash.items() if b2h.get(b) != h]:
-            self._hashed.drop(b)
-        self._stale = False
+        for b in [b for b, (h, _, _) in self._hashed.items() if b2h.get(b) != h]:
+            del self._hashed[b]
 
     def touch(self) -> None:
         """The block lifecycle changed something the export holds (hashes, cached blocks, block tables)."""
@@ -392,23 +354,15 @@ class HFPoolAdapter:
         return self._export[1]
 
     def _build_export(self) -> PrefixCacheExport:
-        """The hashed blocks whose parent is hashed too, built on the host by array operations and moved in one copy
-        (no stream sync). The recorded hashes are checked against the ledger only after blocks were freed (evictions
-        and resets check them at once)."""
-        ledger = self.alloc.ledger
-        if self._stale or len(ledger.block_to_hash) < self._ledger_hashes:  # a shrink: removed on an unwrapped path
-            self.forget_hashes()
-        self._ledger_hashes = len(ledger.block_to_hash)
-        blocks, first, parents = self._hashed.rows().T
-        keep = (parents < 0) | np.isin(parents, blocks)
-        blocks, first, parents = blocks[keep], first[keep], parents[keep]
-        cached = ledger.cached_blocks
-        unlocked = np.isin(blocks, np.fromiter(cached, dtype=np.int64, count=len(cached)))
+        """The hashed blocks whose parent is hashed too, built on the host and moved in one copy (no stream sync)."""
+        self.forget_hashes()
+        valid = self._hashed
+        chains = [(b, fp, par) for b, (_, fp, par) in valid.items() if par < 0 or par in valid]
+        cached = self.alloc.ledger.cached_blocks
+        n = len(chains)
+        blocks, first, parents = np.array(chains, dtype=np.int64).reshape(n, 3).T
+        unlocked = np.fromiter((b in cached for b in blocks.tolist()), dtype=bool, count=n)
         return export_of_blocks(blocks, first, parents, self.page, unlocked, self.device)
-
-    def blocks_freed(self) -> None:
-        """Blocks went back to the pool or the cache: a hash may have gone with them (the next export checks)."""
-        self._stale = True
 
     def copy_records(self, canary: CanaryManager, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
         """A fork copied whole blocks: copy their canary records along."""
@@ -575,7 +529,6 @@ class _Session:
         def free_blocks(request_id: str, no_cache: bool = False) -> Any:
             out = orig(request_id, no_cache)
             self.adapter.touch()
-            self.adapter.blocks_freed()
             if self.adapter.release(request_id):
                 self.canary.release(request_id)
                 self.stats["requests_released"] += 1
