@@ -133,40 +133,6 @@ class _History(Sequence[int]):
         return self._a[k] if k < na else self._b[k - na]
 
 
-class _RowFacts:
-    """A batch's row facts, int64 [5 * bs] flat: rows, prefix lengths, extend lengths, KV lengths and their exclusive
-    running sum (each request's start in the read index). Filled in one of two pinned host buffers and copied to one
-    device buffer without a stream sync (a pageable copy synchronizes the stream, so the generation thread would wait
-    for the queued forward); a host buffer is refilled only once the copy that read it, two batches back, has run."""
-
-    def __init__(self, capacity: int, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        self._host = [torch.zeros(5 * capacity, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self._dev = torch.zeros(5 * capacity, dtype=torch.int64, device=device) if cuda else None
-        self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else []  # type: ignore[no-untyped-call]
-        self._k = 0
-
-    def stage(self, rows: Sequence[int], pre: Sequence[int], ext: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
-        """The facts of a batch of at most ``capacity`` requests on the device (CPU: a fresh tensor), and their KV
-        lengths on the host (valid until the buffer's next use, two batches on)."""
-        bs, k = len(rows), self._k
-        self._k ^= 1
-        if self._copied:
-            self._copied[k].synchronize()
-        host = self._host[k][:5 * bs]
-        h = host.numpy().reshape(5, bs)
-        h[0], h[1], h[2] = rows, pre, ext
-        np.add(h[1], h[2], out=h[3])
-        np.cumsum(h[3], out=h[4])
-        h[4] -= h[3]
-        if self._dev is None:
-            return host.clone(), h[3]
-        dev = self._dev[:5 * bs]
-        dev.copy_(host, non_blocking=True)
-        self._copied[k].record()
-        return dev, h[3]
-
-
 @dataclass(frozen=True)
 class _Req:
     """One request of a batch as prepare_batch_tensors found it (before it advanced the request)."""
@@ -224,7 +190,6 @@ class HFPoolAdapter:
         self.version = 0
         self._export: tuple[tuple[int, int, int], PrefixCacheExport] | None = None
         self._warned_fallback = False
-        self._facts = _RowFacts(self.req_rows, self.device)
 
     # ------------------------------------------------------------------ pool description
 
@@ -286,13 +251,14 @@ class HFPoolAdapter:
         pre = [r.prefix_len for r in reqs]
         ext = [r.extend_len for r in reqs]
         bs, n = len(reqs), int(io.total_seqlen_q)
-        meta, kv = self._facts.stage(rows, pre, ext)
+        kv = np.add(pre, ext, dtype=np.int64)
         if bs and int(kv.max()) > self.max_context:  # the plan would skip it: its blocks would never get records
             i = int(kv.argmax())
             raise CanaryInputError(f"request {ids[i]!r} reaches {int(kv[i])} positions, past the slot table's "
                                    f"max_context={self.max_context} (the model's max_position_embeddings unless "
                                    "install(..., max_context=N))")
         total = int(kv.sum())
+        meta = torch.from_numpy(np.concatenate([rows, pre, ext, kv, np.cumsum(kv) - kv])).to(self.device)
         write = io.write_index_storage[0, :n]
         out = torch.empty(n, dtype=torch.int64, device=self.device)
         src = self._read_slots(io, reqs, total, n) if total else write[:0]
