@@ -146,7 +146,8 @@ class Reporter:
             if self._tags[p.index][0] != p.tag:  # CUDA: not arrived yet (CPU: staged synchronously)
                 if not block:
                     break
-                torch.cuda.synchronize(self.state.device)
+                if self.state.device.type == "cuda":
+                    torch.cuda.synchronize(self.state.device)
                 if self._tags[p.index][0] != p.tag:
                     raise KVCanaryInternalError(f"window snapshot {p.tag} did not arrive after a device sync")
             self.pending.popleft()

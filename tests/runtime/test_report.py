@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvcanary.errors import KVCanaryInternalError
 from kvcanary.report import CanaryViolationError, WindowReport
 from kvcanary_schema import FailReason, LaunchTag, RecordField
 
@@ -119,6 +120,18 @@ def test_clean_forwards_stage_one_window_per_report_interval() -> None:
     assert m.reporter.stagings == 2 and not m.health.problems
     last = m.flush()
     assert last is not None and (last.first_step, last.last_step, last.total) == (33, 40, 0)
+
+
+def test_a_snapshot_whose_tag_never_arrives_is_an_internal_error() -> None:
+    """A window is taken as arrived only when its buffer's tag reads the one it was staged with: a staging that wrote
+    the snapshot but not the tag is never reported as a (clean) window."""
+    eng, m = setup(n_reqs=2, report_interval=2)
+    stager = m.reporter._stager
+    m.reporter._stager = lambda k, tag: stager(k, tag - 1000)  # type: ignore[method-assign]
+    assert step(eng, m) is None
+    with pytest.raises(KVCanaryInternalError, match="did not arrive"):
+        step(eng, m)  # ends the window: on the CPU its end_forward collects it, blocking
+    assert len(m.reports) == 0
 
 
 def test_violation_is_reported_by_the_violating_forward() -> None:
