@@ -112,7 +112,6 @@ class CanaryManager:
         self._table: torch.Tensor | None = None
         self._shape = (0, 0)  # the open forward's bound shape (DeviceProgram.bound_shape)
         self._ops: tuple[tuple[Op, ...], tuple[Op, ...]] = ((), ())
-        self._steady_ops: tuple[tuple[Op, ...], tuple[Op, ...]] | None = None  # _eager_ops, once bound
         self._reuse = True
         if config.sweep_interval and prefix_cache is None:
             logger.info("kvcanary: sweep_interval=%d but no prefix-cache export: sweeps are off",
@@ -149,8 +148,7 @@ class CanaryManager:
         perturb, no capture): its checks and upload in one native call (:meth:`Upload.steady`). False, with nothing
         changed, for any other forward (:meth:`_begin` takes it and raises what it finds). The checks of
         ``BatchView.validate`` not made here are implied: the host facts' lengths and the arrays by the native call,
-        the request ids by the held rows, the token offset by the row chains' own. The bookkeeping of :meth:`_begun`
-        is inlined for this case (no request is new: no reuse check), as it runs every forward."""
+        the request ids by the held rows, the token offset by the row chains' own."""
         cfg, tokens = self.config, batch.input_ids
         if kind is ForwardKind.CAPTURE or self.perturber.enabled or not isinstance(tokens, torch.Tensor):
             return False
@@ -159,28 +157,15 @@ class CanaryManager:
             return False
         batch.check_table(self.pool, self.device, self._table)
         table = batch.req_to_token
-        replay = kind is ForwardKind.REPLAY
-        if replay and (bs, nt, table.data_ptr()) not in self._captured:
+        if kind is ForwardKind.REPLAY and (bs, nt, table.data_ptr()) not in self._captured:
             return False
         step = self.forwards + 1
         shape = self.program.bound_shape(bs, nt)
         if not self.upload.steady(batch, step, shape):
             return False
-        self._table, self._shape = table, shape
-        offset = batch.token_offset
-        self.reporter.step_batches[step] = StepBatch(tuple(batch.request_ids),
-                                                     self.pool.token_offset if offset is None else offset)
-        if not replay:
-            self._reuse = False
-            self._ops = self._steady_ops or self._eager_ops(table)
+        self._begun(batch, kind, step, shape, table)
         self._report_due()
         return True
-
-    def _eager_ops(self, table: torch.Tensor) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
-        """The (pre, post) ops of an eager forward without the reuse check, kept for the steady path."""
-        stages = self.program.stages(table)
-        self._steady_ops = (stages["pre", False], stages["post", False])
-        return self._steady_ops
 
     def _begin(self, batch: BatchView, kind: ForwardKind) -> None:
         """begin_forward of any forward: every check, then the perturbation and the upload (:meth:`Upload.begin`)."""
