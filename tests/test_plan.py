@@ -166,6 +166,35 @@ def test_forward_overflow_and_huge_values(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reuse", [False, True])
+def test_forward_tick_once_per_call_and_the_plan_unchanged(backend: str, reuse: bool) -> None:
+    """The stage counter rides in the call: each element +1 per call (also with the reuse plan in the same launch,
+    also for a batch of input errors only); the plan and status are those of the call without it."""
+    a = _forward_args()
+    kw: dict[str, Any] = {"reuse": (torch.zeros(4, NUM_PLAN_COLS, dtype=torch.int64),
+                                    torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64), i64([1, 0]))} if reuse else {}
+    plain = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    plan_forward(**plain, **kw, backend=backend)
+    tick = i64([41, -3, 0])
+    for n in range(1, 4):
+        plan_forward(**a, **kw, tick=tick, backend=backend)
+        assert tick.tolist() == [41 + n, -3 + n, n]
+    assert torch.equal(a["plan"], plain["plan"]) and torch.equal(a["status"], plain["status"])
+    bad = {**_forward_args(), "req_pool_indices": i64([9, 9])}  # rows outside the table: input errors only
+    plan_forward(**bad, tick=tick, backend=backend)
+    assert tick.tolist() == [45, 1, 4]
+
+
+def test_forward_tick_bad_args(no_native: None) -> None:
+    a = _forward_args()
+    for tick, match in ((torch.zeros(2, 1, dtype=torch.int64), "tick"), (torch.zeros(2, dtype=torch.int32), "tick"),
+                        (a["status"][:2], "overlap")):
+        with pytest.raises(CanaryInputError, match=match):
+            plan_forward(**a, tick=tick, backend="cpu")
+    assert not a["status"].any() and not a["plan"].any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sweep_hand_case(backend: str) -> None:
     segs, status = run_sweep(backend, 4, 10, [0, 4, 8, -1], [4, 3, 3, 1], [0, 9, 0, 0], [NO_SLOT, 3, 5, 0],
                              ee=[7, 8, 9, 10])
@@ -400,7 +429,7 @@ def test_native_entry_validates_again() -> None:
     a = _forward_args()
     e = torch.empty(0, dtype=torch.int64)
     call = [a["plan"], a["status"], a["req_pool_indices"], a["prefix_lens"], a["extend_lens"], a["req_to_token"],
-            e, 0, e, 0, e, 0, 2, 0, -1, 1, e, e, e, 0]
+            e, 0, e, 0, e, 0, 2, 0, -1, 1, e, e, e, 0, e]
     m.plan_forward(*call)
     reuse = list(call)
     reuse[16:20] = [torch.zeros_like(a["plan"]), torch.zeros_like(a["status"]), a["prefix_lens"].clone(), 1]
@@ -408,7 +437,8 @@ def test_native_entry_validates_again() -> None:
     for k, bad in [(0, torch.zeros(1, NUM_PLAN_COLS, dtype=torch.int64)), (1, torch.zeros(3, dtype=torch.int64)),
                    (3, i64([1])), (4, a["extend_lens"].to(torch.int32)), (5, torch.zeros(2, 5)),
                    (6, i64([1])), (7, 1), (10, i64([1])), (10, i64([1, 2]).to(torch.int32)), (11, 1), (12, -1),
-                   (13, -1), (14, -3), (15, 0), (15, 1 << 40)]:
+                   (13, -1), (14, -3), (15, 0), (15, 1 << 40), (20, torch.zeros(2, 1, dtype=torch.int64)),
+                   (20, torch.zeros(2, dtype=torch.int32))]:
         bad_call = list(call)
         bad_call[k] = bad
         with pytest.raises((ValueError, TypeError)):

@@ -1,7 +1,7 @@
 // CPU entry points of the plan ops (docs/ops-contract.md 2-3). Native signatures (identical in csrc/cuda/plan.cu):
 //   plan_forward(plan, status, req_pool_indices, prefix_lens, extend_lens, req_to_token,
 //                expect_prefix, has_expect_prefix, expect_new, has_expect_new, flag_mask, has_flag_mask, num_tokens,
-//                window, padding_row, table_page, reuse_plan, reuse_status, reuse_lens, has_reuse)
+//                window, padding_row, table_page, reuse_plan, reuse_status, reuse_lens, has_reuse, tick)
 //     (all scalars and has_* flags int64)
 //     plan int64 [cap, NUM_PLAN_COLS], status int64 [NUM_PLAN_STATUS_COLS] (overwritten), req_pool_indices /
 //     prefix_lens / extend_lens int64 [bs] (cap >= bs), req_to_token int32|int64 [R, L], expect_* and flag_mask
@@ -9,7 +9,8 @@
 //     (slots per table entry: 1 = req_to_token, else a block table with slot = table[r, c / page] * page + c % page);
 //     has_reuse: reuse_plan int64 [cap >= bs, NUM_PLAN_COLS] / reuse_status [NUM_PLAN_STATUS_COLS] also receive the
 //     plan of (req_pool_indices, prefix_lens = reuse_lens int64 [bs], no new tokens, window 0, no expected values, no
-//     flag mask), in the same call (0-element int64 tensors when has_reuse = 0).
+//     flag mask), in the same call (0-element int64 tensors when has_reuse = 0); tick int64 [k]: each element += 1 once
+//     per call (k = 0: none; the pre stage's step and phase counter).
 //   plan_sweep(plan, status, slots, starts, lens, first_positions, prev_slots, expect_end, has_expect_end)
 //     slots int64 [N]; starts / lens / first_positions / prev_slots int64 [n] (cap >= n); expect_end int64 [n] or
 //     a 0-element int64 tensor with has_expect_end = 0.
@@ -106,7 +107,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
                   TensorView extend_lens, TensorView req_to_token, TensorView expect_prefix, int64_t has_expect_prefix,
                   TensorView expect_new, int64_t has_expect_new, TensorView flag_mask, int64_t has_flag_mask,
                   int64_t num_tokens, int64_t window, int64_t padding_row, int64_t table_page, TensorView reuse_plan,
-                  TensorView reuse_status, TensorView reuse_lens, int64_t has_reuse) {
+                  TensorView reuse_status, TensorView reuse_lens, int64_t has_reuse, TensorView tick) {
   check_device_type(req_pool_indices, kDLCPU, "req_pool_indices");
   const int64_t bs = check_chain_arrays(req_pool_indices, "req_pool_indices", req_pool_indices, "req_pool_indices",
                                         {{&prefix_lens, "prefix_lens"}, {&extend_lens, "extend_lens"}});
@@ -120,6 +121,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
     check_i64_tensor(reuse_lens, req_pool_indices, 1, "reuse_lens", "req_pool_indices");
     check_dim(reuse_lens, 0, bs, "reuse_lens");
   }
+  check_i64_tensor(tick, req_pool_indices, 1, "tick", "req_pool_indices");
   TVM_FFI_CHECK(num_tokens >= 0, ValueError) << "num_tokens must be >= 0, got " << num_tokens;
   TVM_FFI_CHECK(window >= 0, ValueError) << "window must be >= 0, got " << window;
   TVM_FFI_CHECK(padding_row >= -1, ValueError) << "padding_row must be >= -1, got " << padding_row;
@@ -137,6 +139,8 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
                       rpi, static_cast<const int64_t*>(reuse_lens.data_ptr()), nullptr, bs, table, num_tokens, 0,
                       padding_row, nullptr, nullptr, nullptr);
   }
+  auto* t = static_cast<int64_t*>(tick.data_ptr());
+  for (int64_t j = 0; j < tick.size(0); ++j) ++t[j];
 }
 
 void plan_sweep(TensorView plan, TensorView status, TensorView slots, TensorView starts, TensorView lens,

@@ -35,8 +35,11 @@ struct PlanForwardArgs {
 enum : int { kTok = 0, kSeg, kVer, kWri, kErr, kOvf, kLanes };
 
 // Block b plans args[b]: block 0 the forward, block 1 (when launched) the reuse plan, concurrently in one launch.
+// Block 0's thread 0 also increments the stage counter `tick` (tick_n elements; docs/ops-contract.md 2).
 struct PlanForwardLaunch {
   PlanForwardArgs args[2];
+  int64_t* tick;
+  int64_t tick_n;
 };
 
 template <int kThreads>
@@ -95,6 +98,9 @@ __global__ void __launch_bounds__(kThreads, 1) plan_forward_kernel(PlanForwardLa
     for (int k = kSeg; k < kLanes; ++k) carry[k] += wtotal[k];
   }
   if (threadIdx.x == 0) {
+    if (blockIdx.x == 0) {
+      for (int64_t j = 0; j < launch.tick_n; ++j) ++launch.tick[j];
+    }
     a.status[col(PlanStatusCol::NUM_SEGMENTS)] = carry[kSeg];
     a.status[col(PlanStatusCol::VERIFY_ENTRIES)] = carry[kVer];
     a.status[col(PlanStatusCol::WRITE_ENTRIES)] = carry[kWri];
@@ -211,7 +217,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
                   TensorView extend_lens, TensorView req_to_token, TensorView expect_prefix, int64_t has_expect_prefix,
                   TensorView expect_new, int64_t has_expect_new, TensorView flag_mask, int64_t has_flag_mask,
                   int64_t num_tokens, int64_t window, int64_t padding_row, int64_t table_page, TensorView reuse_plan,
-                  TensorView reuse_status, TensorView reuse_lens, int64_t has_reuse) {
+                  TensorView reuse_status, TensorView reuse_lens, int64_t has_reuse, TensorView tick) {
   check_cuda(plan, "plan");
   const int64_t bs = check_chain_arrays(plan, "plan", req_pool_indices, "req_pool_indices",
                                         {{&prefix_lens, "prefix_lens"}, {&extend_lens, "extend_lens"}});
@@ -228,6 +234,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
     check_i64_tensor(reuse_lens, plan, 1, "reuse_lens", "plan");
     check_dim(reuse_lens, 0, bs, "reuse_lens");
   }
+  check_i64_tensor(tick, plan, 1, "tick", "plan");
   PlanForwardArgs a{static_cast<int64_t*>(plan.data_ptr()),
                     static_cast<int64_t*>(status.data_ptr()),
                     static_cast<const int64_t*>(req_pool_indices.data_ptr()),
@@ -243,7 +250,7 @@ void plan_forward(TensorView plan, TensorView status, TensorView req_pool_indice
                     padding_row};
   const DLDevice dev = plan.device();
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
-  PlanForwardLaunch launch{{a, a}};
+  PlanForwardLaunch launch{{a, a}, static_cast<int64_t*>(tick.data_ptr()), tick.size(0)};
   if (has_reuse) {  // the reuse plan: prefix_lens = reuse_lens, no new tokens, window 0, no expected values or mask
     PlanForwardArgs& r = launch.args[1];
     r.plan = static_cast<int64_t*>(reuse_plan.data_ptr());

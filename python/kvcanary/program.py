@@ -119,7 +119,7 @@ class DeviceProgram:
         device = state.sink.count.device
         # the graph variant's branch (the seal beside the TAIL ops in a captured graph)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
-        self._ticks = (self._bind_tick(False), self._bind_tick(True))
+        self._post_tick = self._bind_tick()
 
     def bound_shape(self, bs: int, nt: int) -> Shape:
         """The shape a (bs, nt) batch runs at: each rounded up to a power of two within the capacities, so that an
@@ -152,9 +152,9 @@ class DeviceProgram:
 
         def variant(key: Variant) -> tuple[Op, ...]:
             kind, reuse = key
-            if kind == "pre":
-                return role("plan_reuse" if reuse else "plan", "head", first=(self._ticks[0],))
-            reuse_verify, last = ("reuse_verify",) if reuse else (), (self._ticks[1],)
+            if kind == "pre":  # the stage's tick rides in the first group's plan (docs/ops-contract.md 2)
+                return role("plan_reuse" if reuse else "plan", "head")
+            reuse_verify, last = ("reuse_verify",) if reuse else (), (self._post_tick,)
             if kind == "post":  # eager: one stream
                 return role("seal", *reuse_verify, "tail_verify", "tail_write", then=last)
             if self._side is None:
@@ -166,16 +166,15 @@ class DeviceProgram:
                                                    self._side))
         return Lazy(variant)
 
-    def _bind_tick(self, post: bool) -> BoundOp:
-        """The bookkeeping op, bound once per program. pre: first (the step the kernels stamp their rows with);
-        post: last, folding every group's plan status into the window's running maximum, and on CUDA mirroring the
-        ring count for the host's alarm (Reporter.alarmed)."""
+    def _bind_tick(self) -> BoundOp:
+        """The post stage's bookkeeping op, bound once per program: last, advancing the post phase and folding every
+        group's plan status into the window's running maximum, and on CUDA mirroring the ring count for the host's
+        alarm (Reporter.alarmed). The pre stage's tick (the step the kernels stamp their rows with, and the pre
+        phase) is the first plan's (``tick``)."""
         st = self.state
-        none = st.zeros[:0]
-        mirror = (st.sink.count, st.alarm) if post and st.device.type == "cuda" else (None, None)
-        fold = (st.window_status.view(-1), st.plan_status.view(-1)) if post else (none, none)
-        counters = st.post_tick if post else st.pre_tick
-        return bind_bookkeep(counters, *fold, self.backend, *mirror).frozen()
+        mirror = (st.sink.count, st.alarm) if st.device.type == "cuda" else (None, None)
+        return bind_bookkeep(st.post_tick, st.window_status.view(-1), st.plan_status.view(-1), self.backend,
+                             *mirror).frozen()
 
     def _group_roles(self, g: GroupState, gi: int, table: torch.Tensor) -> Lazy[str, list[BoundOp]]:
         """The ops of one group by role, each bound on first use at the static buffers' full size (frozen native
@@ -184,15 +183,17 @@ class DeviceProgram:
         page, pad, b = self.pool.table_page, self.pool.padding_row, self.backend
         chain = cfg.token_truth == TokenTruth.CHAIN
         window = self._window(g)
+        tick = st.pre_tick if gi == 0 else None  # the pre stage's tick: once, in the first group's plan
 
         def plan(p: torch.Tensor, s: torch.Tensor, pre: torch.Tensor, ext: torch.Tensor, window: int,
-                 truth: bool = False, reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> BoundOp:
+                 truth: bool = False, reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 tick: torch.Tensor | None = None) -> BoundOp:
             # token truth: the expected chains, and per request the flags of the unknown ones dropped (flag mask)
             return bind_plan_forward(p, s, st.req_pool_indices, pre, ext, table, nt, window=window, padding_row=pad,
                                      expect_prefix=st.expect_prefix if truth else None,
                                      expect_new=st.expect_new if truth else None,
                                      flag_mask=st.flag_mask if truth else None, table_page=page,
-                                     reuse=reuse, backend=b).frozen()
+                                     reuse=reuse, tick=tick, backend=b).frozen()
 
         def write(stage: Stage) -> BoundOp:
             checks = self._checks | (self._structural if stage == Stage.HEAD and gi == 0 else 0)
@@ -209,12 +210,13 @@ class DeviceProgram:
 
         def build(name: str) -> list[BoundOp]:
             if name == "plan":
-                return [plan(g.plan, g.status, st.prefix_lens, st.extend_lens, window, chain), *stripe()]
+                return [plan(g.plan, g.status, st.prefix_lens, st.extend_lens, window, chain, tick=tick),
+                        *stripe()]
             if name == "plan_reuse":  # [0, reuse_end): the whole reused prefix, planned in the main plan's launch
                 if g.reuse_plan is None or g.reuse_status is None:
                     return roles["plan"]
                 return [plan(g.plan, g.status, st.prefix_lens, st.extend_lens, window, chain,
-                             (g.reuse_plan, g.reuse_status, st.reuse_end)), *stripe()]
+                             (g.reuse_plan, g.reuse_status, st.reuse_end), tick), *stripe()]
             if name == "seal":
                 return [write(Stage.HEAD)] if g.seal is not None else []
             if name == "tail_write":

@@ -71,7 +71,8 @@ def main() -> None:
                  torch.randint(-2, 11, (bs,), device=dev))
         plan_forward(plan, status, torch.randint(-2, 7, (bs,), device=dev), torch.randint(-2, 11, (bs,), device=dev),
                      torch.randint(-2, 11, (bs,), device=dev), table, rng.randint(0, 30), window=rng.choice([0, 3]),
-                     reuse=reuse if seed % 2 else None, backend="cuda")
+                     reuse=reuse if seed % 2 else None, tick=torch.zeros(seed % 3, dtype=torch.int64, device=dev),
+                     backend="cuda")
         # rolling-sweep slice of a spoiled export (bad inverse entries, starts, lens, non-monotone ends)
         import test_plan_roll as TR  # noqa: PLC0415
 

@@ -121,7 +121,8 @@ def test_plan_ops_match(seed: int) -> None:
     kw = {"window": rng.choice([0, 0, 5, 64]), "padding_row": rng.choice([-1, 0]),
           "expect_prefix": torch.randint(-2**62, 2**62, (bs,)) if rng.random() < 0.5 else None,
           "expect_new": torch.randint(-2**62, 2**62, (bs,)) if rng.random() < 0.5 else None,
-          "flag_mask": torch.randint(-2**62, 2**62, (bs,)) if rng.random() < 0.5 else None}
+          "flag_mask": torch.randint(-2**62, 2**62, (bs,)) if rng.random() < 0.5 else None,
+          "tick": torch.randint(-9, 9, (rng.randint(0, 3),)) if rng.random() < 0.5 else None}
     outs = {}
     for backend, dev in (("cpu", "cpu"), ("cuda", CUDA), ("torch", CUDA)):
         plan = torch.full((bs + 2, NUM_PLAN_COLS), -9, dtype=torch.int64, device=dev)
@@ -129,11 +130,13 @@ def test_plan_ops_match(seed: int) -> None:
         kwd = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
         plan_forward(plan, status, rpi.to(dev), pre.to(dev), ext.to(dev), table.to(dev), max(0, num_tokens),
                      backend=backend, **kwd)
-        outs[backend] = (plan.cpu(), status.cpu())
+        outs[backend] = (plan.cpu(), status.cpu(), None if kwd["tick"] is None else kwd["tick"].cpu())
     for other in ("cpu", "torch"):
         n = int(outs[other][1][PlanStatusCol.NUM_SEGMENTS])
         assert torch.equal(outs["cuda"][1], outs[other][1]), other
         assert torch.equal(outs["cuda"][0][:n], outs[other][0][:n]), other
+    if kw["tick"] is not None:  # the stage counter: once per call on every backend
+        assert all(torch.equal(o[2], kw["tick"] + 1) for o in outs.values())
     # plan_sweep
     n_chains = rng.choice([0, 3, 700, 2000])
     N = rng.randint(0, 5000)
@@ -153,6 +156,28 @@ def test_plan_ops_match(seed: int) -> None:
     n = int(souts["cpu"][1][PlanStatusCol.NUM_SEGMENTS])
     assert torch.equal(souts["cuda"][1], souts["cpu"][1])
     assert torch.equal(souts["cuda"][0][:n], souts["cpu"][0][:n])
+
+
+def test_plan_tick_replays_in_a_graph() -> None:
+    """A captured plan with the stage counter (and the reuse plan's block): each replay ticks once."""
+    plan = torch.zeros(4, NUM_PLAN_COLS, dtype=torch.int64, device=CUDA)
+    rplan = torch.zeros_like(plan)
+    status, rstatus = (torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=CUDA) for _ in range(2))
+    rpi, pre, ext = (torch.tensor(v, device=CUDA) for v in ([0, 1], [1, 2], [1, 1]))
+    table = torch.arange(10, dtype=torch.int32, device=CUDA).view(2, 5)
+    tick = torch.tensor([7, 0], device=CUDA)
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        plan_forward(plan, status, rpi, pre, ext, table, 2, reuse=(rplan, rstatus, pre.clone()), tick=tick,
+                     backend="cuda")
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert tick.tolist() == [7, 0]  # capturing runs nothing
+    for n in range(1, 4):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert tick.tolist() == [7 + n, n]
 
 
 def _roll_outputs(e: Any, m: int, cursor: int, width: int, backend: str, dev: str) -> list[torch.Tensor]:
@@ -533,7 +558,7 @@ def test_native_entries_refuse_cpu_tensors() -> None:
     one = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError):
         mod.plan_forward(z, s, one, one, one, torch.zeros(1, 1, dtype=torch.int64), e, 0, e, 0, e, 0, 1, 0, -1, 1, e, e,
-                         e, 0)
+                         e, 0, e)
     with pytest.raises(ValueError):
         mod.fingerprint(torch.zeros(1, 1, 5, dtype=torch.int64), 0, one, one, 2, 1, 1, one)
 

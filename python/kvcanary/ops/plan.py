@@ -11,7 +11,7 @@ from kvcanary import _native
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops.bound import BoundOp, Shaped
 from kvcanary.ops.shared import table_slots
-from kvcanary.ops.types import check_backend, check_tensor
+from kvcanary.ops.types import check_backend, check_tensor, overlaps
 
 _MAX_TABLE_POSITIONS = 1 << 40  # logical row length bound (csrc/core/tensor_checks.h slot_table_of)
 
@@ -54,8 +54,10 @@ def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: tor
                  extend_lens: torch.Tensor, req_to_token: torch.Tensor, num_tokens: int, *, window: int = 0,
                  padding_row: int = -1, expect_prefix: torch.Tensor | None = None,
                  expect_new: torch.Tensor | None = None, flag_mask: torch.Tensor | None = None, table_page: int = 1,
-                 reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, backend: str = "torch") -> None:
-    """Plan one forward's segments into ``plan`` and overwrite ``status`` (docs/ops-contract.md 2).
+                 reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, tick: torch.Tensor | None = None,
+                 backend: str = "torch") -> None:
+    """Plan one forward's segments into ``plan`` and overwrite ``status`` (docs/ops-contract.md 2); ``tick`` (int64
+    ``[k]``): each element incremented once by the call (the pre stage's step and phase counter).
 
     ``reuse = (reuse_plan, reuse_status, reuse_lens)`` also plans, in the same call (one launch on CUDA), the reuse
     check: exactly ``plan_forward(reuse_plan, reuse_status, req_pool_indices, reuse_lens, zeros, req_to_token,
@@ -69,7 +71,8 @@ def plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: tor
     """
     bind_plan_forward(plan, status, req_pool_indices, prefix_lens, extend_lens, req_to_token, num_tokens,
                       window=window, padding_row=padding_row, expect_prefix=expect_prefix, expect_new=expect_new,
-                      flag_mask=flag_mask, table_page=table_page, reuse=reuse, backend=backend)(req_to_token)
+                      flag_mask=flag_mask, table_page=table_page, reuse=reuse, tick=tick,
+                      backend=backend)(req_to_token)
 
 
 def bind_plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -77,7 +80,7 @@ def bind_plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices
                       *, window: int = 0, padding_row: int = -1, expect_prefix: torch.Tensor | None = None,
                       expect_new: torch.Tensor | None = None, flag_mask: torch.Tensor | None = None,
                       table_page: int = 1, reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                      backend: str = "torch") -> BoundOp:
+                      tick: torch.Tensor | None = None, backend: str = "torch") -> BoundOp:
     """:func:`plan_forward`'s arguments checked once: a call taking the slot table (see :class:`BoundOp`)."""
     device = req_pool_indices.device if isinstance(req_pool_indices, torch.Tensor) else torch.device("cpu")
     rpi = check_tensor(req_pool_indices, "req_pool_indices", ndim=1)
@@ -97,6 +100,9 @@ def bind_plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices
     padding_row = check_scalar(padding_row, "padding_row", -1)
     table_page = check_table_page(table, table_page)
     rp, rs, rl = _check_reuse(reuse, p, s, device, bs)
+    tk = empty_i64(device) if tick is None else check_tensor(tick, "tick", ndim=1, device=device)
+    if any(overlaps(tk, t) for t in (p, s, rp, rs)):
+        raise CanaryInputError("tick must not overlap the plan or status buffers")
     b = check_backend(backend, device)
     # what follows the batch (BoundOp): the plans' rows, the per-request rows, the token count (an absent reuse plan
     # is a 0-element placeholder)
@@ -106,12 +112,12 @@ def bind_plan_forward(plan: torch.Tensor, status: torch.Tensor, req_pool_indices
     nt = Shaped(num_tokens, ShapedArg.NUM_TOKENS)
     if b == "torch":
         return BoundOp.of(_plan_forward_torch_with_reuse, (sp, s, srpi, spre, sext),
-                          (nt, window, padding_row, sep, sen, sfm, table_page, srp, rs, srl))
+                          (nt, window, padding_row, sep, sen, sfm, table_page, srp, rs, srl, tk))
     e = empty_i64(device)
     return BoundOp.of(_native.module(b).plan_forward, (sp, s, srpi, spre, sext),
                       (e if sep is None else sep, int(ep is not None), e if sen is None else sen, int(en is not None),
                        e if sfm is None else sfm, int(fm is not None), nt, window, padding_row, table_page, srp, rs,
-                       e if srl is None else srl, int(rl is not None)), native=True)
+                       e if srl is None else srl, int(rl is not None), tk), native=True)
 
 
 def _check_reuse(reuse: object, plan: torch.Tensor, status: torch.Tensor, device: torch.device,
@@ -271,14 +277,15 @@ def _plan_forward_torch_with_reuse(plan: torch.Tensor, status: torch.Tensor, rpi
                                    padding_row: int, expect_prefix: torch.Tensor | None,
                                    expect_new: torch.Tensor | None, flag_mask: torch.Tensor | None, page: int,
                                    reuse_plan: torch.Tensor, reuse_status: torch.Tensor,
-                                   reuse_lens: torch.Tensor | None) -> None:
+                                   reuse_lens: torch.Tensor | None, tick: torch.Tensor) -> None:
     """The forward plan, then (``reuse_lens`` given) the reuse plan: window 0, no new tokens, no expectations, no flag
-    mask."""
+    mask; then the stage counter ``tick`` += 1."""
     _plan_forward_torch(plan, status, rpi, pre, ext, table, num_tokens, window, padding_row, expect_prefix, expect_new,
                         flag_mask, page)
     if reuse_lens is not None:
         _plan_forward_torch(reuse_plan, reuse_status, rpi, reuse_lens, torch.zeros_like(reuse_lens), table, num_tokens,
                             0, padding_row, None, None, None, page)
+    tick.add_(1)
 
 
 def _plan_forward_torch(plan: torch.Tensor, status: torch.Tensor, rpi: torch.Tensor, pre: torch.Tensor,

@@ -11,7 +11,7 @@ import tvm_ffi
 
 from kvcanary import _native
 from kvcanary.errors import CanaryInputError
-from kvcanary.ops.types import check_backend, check_tensor
+from kvcanary.ops.types import check_backend, check_tensor, overlaps
 
 _CPU = torch.device("cpu")
 _Args = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -44,15 +44,9 @@ def check_stage_window(head: torch.Tensor, count: torch.Tensor, rows: torch.Tens
     if d.type == "cuda" and not out.is_pinned():
         raise CanaryInputError("dst must be pinned host memory (torch pin_memory=True) on a CUDA device")
     for t, name in ((h, "head"), (c, "count"), (r, "rows"), (z, "reset")):
-        if d.type == "cpu" and _overlap(out, t):
+        if d.type == "cpu" and overlaps(out, t):
             raise CanaryInputError(f"dst must not overlap {name}")
     return h, c, r, z, out
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous int64 tensors share bytes."""
-    pa, pb = a.data_ptr(), b.data_ptr()
-    return a.numel() > 0 and b.numel() > 0 and pa < pb + 8 * b.numel() and pb < pa + 8 * a.numel()
 
 
 def stage_window_torch(head: torch.Tensor, count: torch.Tensor, rows: torch.Tensor, reset: torch.Tensor,

@@ -66,6 +66,13 @@ def check_tensor(t: object, name: str, *, dtype: torch.dtype | tuple[torch.dtype
     return t
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share bytes (compared by address, so on the same device)."""
+    pa, pb = a.data_ptr(), b.data_ptr()
+    na, nb = a.numel() * a.element_size(), b.numel() * b.element_size()
+    return na > 0 and nb > 0 and pa < pb + nb and pb < pa + na
+
+
 def check_tensors(tensors: Sequence[tuple[str, object]], *, dtype: tuple[torch.dtype, ...],
                   shape: tuple[int, ...], device: torch.device) -> None:
     """:func:`check_tensor` of several (name, tensor) pairs of one contract (every dim given): valid ones cost one
