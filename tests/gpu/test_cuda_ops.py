@@ -127,7 +127,8 @@ def test_plan_ops_match(seed: int) -> None:
     for backend, dev in (("cpu", "cpu"), ("cuda", CUDA), ("torch", CUDA)):
         plan = torch.full((bs + 2, NUM_PLAN_COLS), -9, dtype=torch.int64, device=dev)
         status = torch.full((NUM_PLAN_STATUS_COLS,), -9, dtype=torch.int64, device=dev)
-        kwd = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        # a copy: .to() would alias the CPU tensors, and tick is written in place
+        kwd = {k: (v.clone().to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
         plan_forward(plan, status, rpi.to(dev), pre.to(dev), ext.to(dev), table.to(dev), max(0, num_tokens),
                      backend=backend, **kwd)
         outs[backend] = (plan.cpu(), status.cpu(), None if kwd["tick"] is None else kwd["tick"].cpu())
