@@ -179,6 +179,9 @@ class CanaryConfig:
     req_capacity: int = DEFAULT_REQ_CAPACITY
     token_capacity: int = 8192  # tokens per forward (static input buffers)
     backend: str = "auto"  # auto / torch / cpu / cuda
+    # CUDA: an eager forward's pre and post stages each run as one CUDA graph launch, captured on a (stage, shape,
+    # slot table)'s second run (program.EagerGraphs); off: each kernel launched on its own
+    eager_graphs: bool = True
     perturb: PerturbConfig = field(default_factory=PerturbConfig)
 
     def __post_init__(self) -> None:
@@ -197,6 +200,9 @@ class CanaryConfig:
             value = getattr(self, knob)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise CanaryInputError(f"CanaryConfig.{knob} must be an int >= {low}, got {value!r}")
+        for knob in sorted(_BOOL_KNOBS):
+            if not isinstance(getattr(self, knob), bool):
+                raise CanaryInputError(f"CanaryConfig.{knob} must be a bool, got {getattr(self, knob)!r}")
         if not is_power_of_two(self.fingerprint_share):
             raise CanaryInputError(f"CanaryConfig.fingerprint_share must be a power of two >= 1, got "
                                    f"{self.fingerprint_share!r}")
@@ -270,7 +276,7 @@ _INT_KNOBS = {"layer_stride", "fingerprint_share", "stripe_size", "window_links"
               "sweep_roll_interval", "sweep_capacity", "ring_capacity",
               "report_interval", "stats_interval", "log_rate_limit", "req_capacity", "token_capacity"}
 _BOOL_KNOBS = {"input_asserts", "chain_position_assert", "structural_check", "watchdog", "sweep_unlocked_only", "seal",
-               "reuse_check"}
+               "reuse_check", "eager_graphs"}
 
 
 def _parse(name: str, raw: str, cls: type[CanaryConfig]) -> Any:

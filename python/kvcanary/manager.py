@@ -18,7 +18,7 @@ from kvcanary.health import Health
 from kvcanary.ops.invalidate import bind_invalidate
 from kvcanary.ops.types import check_backend
 from kvcanary.perturb import Perturber
-from kvcanary.program import DeviceProgram, Op, run
+from kvcanary.program import DeviceProgram, Op
 from kvcanary.report import JsonlSink, LogSink, Metrics, ReportSink, StepBatch, WindowReport
 from kvcanary.reporting import Reporter, Snapshot
 from kvcanary.state import CanaryState
@@ -219,7 +219,7 @@ class CanaryManager:
         if self._phase != _Phase.BEGUN or self._kind == ForwardKind.REPLAY:
             raise CanaryBracketError(f"pre_forward needs an open eager/capture forward (phase {self._phase.name}, "
                                      f"kind {self._kind.value})")
-        run(self._ops[0], self._slot_table(), self._shape)
+        self.program.launch(self._ops[0], self._slot_table(), self._shape, self._kind is ForwardKind.EAGER)
         self._phase = _Phase.PRE
 
     def post_forward(self) -> None:
@@ -228,7 +228,7 @@ class CanaryManager:
             return
         if self._phase != _Phase.PRE:
             raise CanaryBracketError(f"post_forward without pre_forward (phase {self._phase.name})")
-        run(self._ops[1], self._slot_table(), self._shape)
+        self.program.launch(self._ops[1], self._slot_table(), self._shape, self._kind is ForwardKind.EAGER)
         self._phase = _Phase.POST
 
     def end_forward(self) -> WindowReport | None:

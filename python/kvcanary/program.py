@@ -3,6 +3,7 @@ and run at each forward's bound shape (batch size and new tokens, each rounded u
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal, TypeVar, cast
@@ -20,6 +21,8 @@ from kvcanary.ops.plan import bind_plan_forward
 from kvcanary.ops.verify import bind_verify
 from kvcanary.ops.write import write_target
 from kvcanary.state import CanaryState, GroupState
+
+logger = logging.getLogger("kvcanary")
 
 Op = Callable[[torch.Tensor, int, int], None]  # one step of a stage: takes the forward's slot table, rows and tokens
 Shape = tuple[int, int]  # (batch size, new tokens)
@@ -120,6 +123,16 @@ class DeviceProgram:
         # the graph variant's branch (the seal beside the TAIL ops in a captured graph)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         self._post_tick = self._bind_tick()
+        # eager stages as graph launches: native CUDA ops only (the torch backend's ops may allocate)
+        self.graphs = EagerGraphs(device) if backend == "cuda" and config.eager_graphs else None
+
+    def launch(self, ops: tuple[Op, ...], table: torch.Tensor, shape: Shape, eager: bool) -> None:
+        """Run one stage of a forward (``eager``: not captured by the engine): from its graph where the program has
+        eager graphs (:class:`EagerGraphs`), else op by op."""
+        if eager and self.graphs is not None:
+            self.graphs(ops, table, shape)
+        else:
+            run(ops, table, shape)
 
     def bound_shape(self, bs: int, nt: int) -> Shape:
         """The shape a (bs, nt) batch runs at: each rounded up to a power of two within the capacities, so that an
@@ -269,3 +282,64 @@ def run(ops: Sequence[Op], table: torch.Tensor, shape: Shape) -> None:
     rows, tokens = shape
     for op in ops:
         op(table, rows, tokens)
+
+
+# (the stage's ops by identity, bound shape, slot table address, its shape and dtype): what a captured graph froze
+GraphKey = tuple[int, Shape, int, tuple[int, ...], torch.dtype]
+
+
+class EagerGraphs:
+    """The eager stages on CUDA as one graph launch each. A stage's native sequence launches its kernels one by one
+    (about 4 µs of host time each); captured once, the same kernels with the same arguments run from one graph launch.
+    A (stage, shape, slot table) is captured the ``capture_after``-th time it runs and launched from its graph from
+    then on; at most ``max_graphs`` are kept, later ones run directly. The graph freezes the kernels' arguments: the
+    static buffers (fixed for the install) and the table's address, shape and dtype (the key), so a graph never runs
+    with another table. A capture that fails turns the graphs off for this program (logged once): the stages then
+    run directly, as with ``CanaryConfig(eager_graphs=False)``."""
+
+    def __init__(self, device: torch.device, capture_after: int = 2, max_graphs: int = 64) -> None:
+        self.enabled = True
+        self.capture_after, self.max_graphs = capture_after, max_graphs
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._seen: dict[GraphKey, int] = {}
+        self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self._pool = torch.cuda.graph_pool_handle()  # one (empty: the stages allocate nothing) pool for all
+
+    def __call__(self, ops: tuple[Op, ...], table: torch.Tensor, shape: Shape) -> None:
+        """Run the stage ``ops`` (bound and kept for the program's life, so their identity names them)."""
+        key = (id(ops), shape, table.data_ptr(), tuple(table.shape), table.dtype)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._capture(key, ops, table, shape) if self.enabled else None
+            if g is None:
+                run(ops, table, shape)
+                return
+        g.replay()
+
+    def _capture(self, key: GraphKey, ops: tuple[Op, ...], table: torch.Tensor, shape: Shape
+                 ) -> torch.cuda.CUDAGraph | None:
+        """The stage's graph once ``key`` is due and there is room, else None (the caller runs it directly). Inside
+        another capture (an engine capturing a forward it declared eager) nothing is captured: the ops join that
+        graph as they would without graphs."""
+        if len(self.graphs) >= self.max_graphs or torch.cuda.is_current_stream_capturing():
+            return None
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        if seen < self.capture_after:
+            if len(self._seen) > 4 * self.max_graphs:  # keys seen once (tables, shapes) do not pile up
+                self._seen.clear()
+            return None
+        g = torch.cuda.CUDAGraph()
+        try:
+            # thread-local: the engine's other threads may use CUDA meanwhile; capturing runs nothing
+            with torch.cuda.stream(self._stream):
+                g.capture_begin(self._pool, capture_error_mode="thread_local")
+                try:
+                    run(ops, table, shape)
+                finally:
+                    g.capture_end()
+        except RuntimeError as err:
+            self.enabled = False
+            logger.warning("kvcanary: capturing an eager stage failed (%s); its stages run without graphs", err)
+            return None
+        self.graphs[key] = g
+        return g

@@ -29,7 +29,8 @@ def test_strings_are_coerced() -> None:
 @pytest.mark.parametrize("knob,value", [("mode", "loud"), ("fingerprint", "most"), ("token_truth", "maybe"),
                                         ("coverage", "some"), ("ring_capacity", 0), ("stripe_size", 0),
                                         ("report_interval", 0), ("sweep_interval", -1), ("req_capacity", 0),
-                                        ("backend", "tpu"), ("layer_stride", 0), ("token_capacity", True)])
+                                        ("backend", "tpu"), ("layer_stride", 0), ("token_capacity", True),
+                                        ("eager_graphs", 1), ("seal", "yes")])
 def test_validation_names_the_knob(knob: str, value: object) -> None:
     with pytest.raises(CanaryInputError, match=knob):
         CanaryConfig(**{knob: value})  # type: ignore[arg-type]
@@ -56,6 +57,7 @@ def test_from_env() -> None:
     assert c.perturb.probability(PerturbMode.RECORD_FLIP) == 0.25 and c.perturb.warmup_steps == 3
     assert c.perturb.seed == 7
     assert CanaryConfig.from_env({}, ring_capacity=8).ring_capacity == 8
+    assert CanaryConfig().eager_graphs and not CanaryConfig.from_env({"KVCANARY_EAGER_GRAPHS": "off"}).eager_graphs
 
 
 @pytest.mark.parametrize("var,value,knob", [("KVCANARY_RING_CAPACITY", "many", "RING_CAPACITY"),

@@ -1,0 +1,168 @@
+"""The eager stages launched from CUDA graphs (program.EagerGraphs): the same records, counters, phases and reports as
+launching each kernel, one graph per (stage, shape, slot table), and the fallbacks (off, CPU, capture failure)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from kvcanary.config import CanaryConfig
+from kvcanary.manager import CanaryManager, install
+
+from .fake_engine import FakeEngine
+
+N_REQS = 4
+
+
+def gpu(test: object) -> object:
+    """GPU-only: marked for the GPU suite, skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+def _make(device: str, **cfg: object) -> tuple[FakeEngine, CanaryManager]:
+    eng = FakeEngine(num_slots=512, req_rows=8, max_context=96, device=device, swa_window=cfg.pop("swa", 0))  # type: ignore[arg-type]
+    m = install(eng, CanaryConfig(backend=device, stats_interval=0, report_interval=1, **cfg))  # type: ignore[arg-type]
+    for i in range(N_REQS):
+        eng.add(f"r{i}", [3 + 11 * i + j for j in range(6 + i)])
+    return eng, m
+
+
+def _forward(eng: FakeEngine, m: CanaryManager) -> None:
+    b = eng.batch()
+    m.begin_forward(b)
+    m.pre_forward()
+    eng.forward(b)
+    m.post_forward()
+    m.end_forward()
+
+
+def _corrupt(eng: FakeEngine, k: int) -> None:
+    """Change one cached slot's K bytes in the first layer (the per-forward fingerprint's bytes)."""
+    r = list(eng.reqs.values())[k % len(eng.reqs)]
+    eng.kv[0][0][int(eng.req_to_token[r.row, k % 5])] += 1.0
+
+
+def _state(m: CanaryManager) -> list[torch.Tensor]:
+    torch.cuda.synchronize()
+    return [t.cpu() for g in m.state.groups for t in (g.head.records, g.tail.records)] + \
+        [m.state.sink.counters.cpu(), m.state.phase.cpu()]
+
+
+def _run_pair(cfg: dict[str, object], steps: int = 20, churn: bool = False) -> tuple[CanaryManager, CanaryManager]:
+    """The same workload with eager graphs on (b) and off (a): faults every few forwards, requests finishing and new
+    ones reusing their cached prefixes (``churn``: new shapes, the reuse check's stage variant)."""
+    (ea, ma), (eb, mb) = _make("cuda", **cfg, eager_graphs=False), _make("cuda", **cfg)
+    for k in range(steps):
+        for e, m in ((ea, ma), (eb, mb)):
+            if k % 6 == 4:
+                _corrupt(e, k)
+            if churn and k % 7 == 5:
+                e.finish(next(iter(e.reqs)))
+                e.add(f"n{k}", [*e.cache[-1].tokens, 7 + k])
+            _forward(e, m)
+    ma.flush()
+    mb.flush()
+    return ma, mb
+
+
+def _assert_same(ma: CanaryManager, mb: CanaryManager) -> None:
+    for x, y in zip(_state(ma), _state(mb), strict=True):
+        assert torch.equal(x, y)
+    rows = [sorted(tuple(v.to_dict().items()) for r in m.reports for v in r.violations) for m in (ma, mb)]
+    assert rows[0] == rows[1] and rows[0], "the faults must be found, the same way"
+    assert [r.total for r in ma.reports] == [r.total for r in mb.reports]
+    assert not ma.health.problems and not mb.health.problems
+
+
+@pytest.mark.parametrize("cfg", [{}, {"fingerprint": "all", "half_coverage": "each"}, {"swa": 16},
+                                 {"coverage": "window", "stripe_size": 3}, {"token_truth": "pool"}])
+@pytest.mark.parametrize("churn", [False, True])
+@gpu
+def test_graphs_equal_direct_launches(cfg: dict[str, object], churn: bool) -> None:
+    ma, mb = _run_pair(dict(cfg), churn=churn)
+    _assert_same(ma, mb)
+    assert ma.program.graphs is None
+    graphs = mb.program.graphs
+    assert graphs is not None and graphs.enabled and len(graphs.graphs) >= 2  # decode's pre and post at least
+
+
+@gpu
+def test_one_graph_per_stage_shape_and_table() -> None:
+    """A stage is captured on its second run; another slot table (same shape, new address) gets its own graph, and
+    the old one never runs with it."""
+    eng, m = _make("cuda")
+    graphs = m.program.graphs
+    assert graphs is not None
+    _forward(eng, m)  # prefill
+    _forward(eng, m)  # first decode: seen once, launched directly
+    assert not graphs.graphs
+    _forward(eng, m)
+    assert len(graphs.graphs) == 2  # pre and post at the decode shape
+    for _ in range(3):
+        _forward(eng, m)
+    assert len(graphs.graphs) == 2
+    old = eng.req_to_token
+    eng.req_to_token = old.clone()  # the engine moves its slot table
+    for _ in range(3):
+        _forward(eng, m)
+    assert len(graphs.graphs) == 4
+    assert {k[2] for k in graphs.graphs} == {old.data_ptr(), eng.req_to_token.data_ptr()}
+    m.flush()
+    assert not m.health.problems and sum(r.total for r in m.reports) == 0
+
+
+@gpu
+def test_capture_failure_falls_back_to_direct_launches(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A capture that fails (here: a sync inside it) logs once, turns the graphs off and the forward still runs."""
+    import kvcanary.program as program
+
+    real_run = program.run
+
+    def syncing_run(*args: object) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # illegal while capturing: the capture fails
+        real_run(*args)  # type: ignore[arg-type]
+    ea, ma = _make("cuda", eager_graphs=False)
+    eb, mb = _make("cuda")
+    monkeypatch.setattr(program, "run", syncing_run)
+    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+        for k in range(8):
+            for e, m in ((ea, ma), (eb, mb)):
+                if k == 5:
+                    _corrupt(e, k)
+                _forward(e, m)
+    ma.flush()
+    mb.flush()
+    graphs = mb.program.graphs
+    assert graphs is not None and not graphs.enabled and not graphs.graphs
+    assert sum("capturing an eager stage failed" in r.message for r in caplog.records) == 1
+    _assert_same(ma, mb)
+
+
+@gpu
+def test_eager_forward_inside_an_engine_capture_is_not_captured_twice() -> None:
+    """An engine that captures a forward it declared eager: the stages join its graph (no nested capture)."""
+    eng, m = _make("cuda")
+    for _ in range(3):
+        _forward(eng, m)
+    graphs = m.program.graphs
+    assert graphs is not None
+    before = dict(graphs.graphs)
+    eng.req_to_token = eng.req_to_token.clone()  # a key not captured yet, due at once
+    graphs.capture_after = 1
+    b = eng.batch()
+    m.begin_forward(b)
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(g, stream=side):
+        m.pre_forward()
+    torch.cuda.current_stream().wait_stream(side)
+    assert graphs.graphs == before and graphs.enabled
+
+
+def test_cpu_and_off_have_no_graphs() -> None:
+    _, m = _make("cpu")
+    assert m.program.graphs is None
