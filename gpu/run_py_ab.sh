@@ -4,7 +4,7 @@
 # (A, B) of the reference-engine row, ROUNDS x (A, B) of the bracket rows at batch sizes BS (default 1,64,256; ROUNDS
 # 0: none), then B's hook probe (gpu/probe_hook_times.py cuda) and B's GPU tests under TESTS (pytest paths; none when
 # empty). Summary: per row and side the median and the best of the rounds (bench/summarize_rounds.py). Files in $OUT:
-# log.txt rounds.tar.gz summary.md. Carry .whl (tvm-ffi) and .ab.
+# log.txt rounds.tar.gz summary.md. Carry .whl (tvm-ffi) and .ab (and .hfproto for the transformers tests).
 # PIN: a command prefix for every timed process, e.g. PIN="taskset -c 5" (the host's speed is bimodal per process
 # unpinned). Usage: [ROUNDS=0] [ENGINE_ROUNDS=4] [BS=1,64,256] [TESTS=...] [PIN=...] bash gpu/run_py_ab.sh
 set -o pipefail
@@ -17,7 +17,7 @@ side() {  # side A|B: that side's sources, each with its own JIT cache
 }
 {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl || exit 1
+    .whl/*.whl $(ls .hfproto/wheels/*.whl 2>/dev/null) || exit 1
   export PYTHONUNBUFFERED=1 TVM_FFI_CUDA_ARCH_LIST=9.0a
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
   lscpu | grep -E "Model name|NUMA|^CPU\(s\)|MHz"; echo "PIN=${PIN:-none}"

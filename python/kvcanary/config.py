@@ -179,8 +179,8 @@ class CanaryConfig:
     req_capacity: int = DEFAULT_REQ_CAPACITY
     token_capacity: int = 8192  # tokens per forward (static input buffers)
     backend: str = "auto"  # auto / torch / cpu / cuda
-    # CUDA: an eager forward's pre and post stages each run as one CUDA graph launch, captured on a (stage, shape,
-    # slot table)'s second run (program.EagerGraphs); off: each kernel launched on its own
+    # CUDA: an eager forward's pre and post stages each run as one CUDA graph launch, captured once a (stage, shape,
+    # slot table) recurs (program.EagerGraphs); off: each kernel launched on its own
     eager_graphs: bool = True
     perturb: PerturbConfig = field(default_factory=PerturbConfig)
 
