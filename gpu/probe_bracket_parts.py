@@ -20,7 +20,7 @@ from bench.bench_runtime import bench_case, bench_replay
 from bench.call_times import time_calls
 
 PARTS = ((mg.CanaryManager, ("begin_forward", "_begin_steady", "_begun", "_report_due", "end_forward", "_on_report")),
-         (ad.BatchView, ("check_table",)), (pg.DeviceProgram, ("bound_shape",)), (mg, ("run",)),
+         (ad.BatchView, ("check_table",)), (pg.DeviceProgram, ("bound_shape", "launch")), (pg, ("run",)),
          (up.Upload, ("steady", "_held", "_decode", "_staged")), (BatchStager, ("decode",)),
          (rp.Reporter, ("stage", "collect", "_report", "alarmed", "_dispatch")),
          (hl.Health, ("check", "expect_forward")))

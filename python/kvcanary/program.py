@@ -305,13 +305,16 @@ class EagerGraphs:
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._seen: dict[GraphKey, int] = {}
         self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        # a graph launches on the current device's stream: launched only while this one is current
+        self._device = torch.cuda.current_device() if device.index is None else device.index
         self._pool = torch.cuda.graph_pool_handle()  # one (empty: the stages allocate nothing) pool for all
 
     def __call__(self, ops: tuple[Op, ...], table: torch.Tensor, shape: Shape) -> None:
         """Run the stage ``ops`` (bound and kept for the program's life, so their identity names them). Inside another
         capture (an engine capturing a forward it declared eager) the ops run directly and join that graph, as they
-        would without graphs: no graph is launched or captured there."""
-        if torch.cuda.is_current_stream_capturing():
+        would without graphs: no graph is launched or captured there. So they do while another device is current
+        (the direct launches go to the table's device, a graph launch to the current device's stream)."""
+        if torch.cuda.current_device() != self._device or torch.cuda.is_current_stream_capturing():
             run(ops, table, shape)
             return
         key = (id(ops), shape, table.data_ptr(), tuple(table.shape), table.dtype)
