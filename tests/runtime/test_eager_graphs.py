@@ -178,6 +178,6 @@ def test_eager_forward_inside_an_engine_capture_is_not_captured_twice() -> None:
         assert graphs.graphs == before and graphs.enabled
 
 
-def test_cpu_and_off_have_no_graphs() -> None:
+def test_cpu_has_no_graphs() -> None:
     _, m = _make("cpu")
     assert m.program.graphs is None
