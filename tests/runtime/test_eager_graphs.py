@@ -7,12 +7,12 @@ import logging
 
 import pytest
 import torch
-from kvcanary.config import CanaryConfig
-from kvcanary.manager import CanaryManager, install
+from kvcanary.manager import CanaryManager
 from kvcanary.report import Violation
 from kvcanary_schema import Stage
 
 from .fake_engine import FakeEngine
+from .helpers import setup, step
 
 N_REQS = 4
 
@@ -24,19 +24,7 @@ def gpu(test: object) -> object:
 
 def _make(device: str, **cfg: object) -> tuple[FakeEngine, CanaryManager]:
     eng = FakeEngine(num_slots=512, req_rows=8, max_context=96, device=device, swa_window=cfg.pop("swa", 0))  # type: ignore[arg-type]
-    m = install(eng, CanaryConfig(backend=device, stats_interval=0, report_interval=1, **cfg))  # type: ignore[arg-type]
-    for i in range(N_REQS):
-        eng.add(f"r{i}", [3 + 11 * i + j for j in range(6 + i)])
-    return eng, m
-
-
-def _forward(eng: FakeEngine, m: CanaryManager) -> None:
-    b = eng.batch()
-    m.begin_forward(b)
-    m.pre_forward()
-    eng.forward(b)
-    m.post_forward()
-    m.end_forward()
+    return setup(N_REQS, 6, eng, backend=device, report_interval=1, **cfg)
 
 
 def _corrupt(eng: FakeEngine, k: int) -> None:
@@ -62,7 +50,7 @@ def _run_pair(cfg: dict[str, object], steps: int = 40, churn: bool = False) -> t
             if churn and k % 7 == 5:
                 e.finish(next(iter(e.reqs)))
                 e.add(f"n{k}", [*e.cache[-1].tokens, 7 + k])
-            _forward(e, m)
+            step(e, m)
     ma.flush()
     mb.flush()
     return ma, mb
@@ -104,17 +92,17 @@ def test_one_graph_per_stage_shape_and_table() -> None:
     assert graphs is not None
     n = graphs.capture_after
     for _ in range(n):  # the prefill, then n - 1 decodes: launched directly
-        _forward(eng, m)
+        step(eng, m)
     assert not graphs.graphs
-    _forward(eng, m)
+    step(eng, m)
     assert len(graphs.graphs) == 2  # pre and post at the decode shape
     for _ in range(3):
-        _forward(eng, m)
+        step(eng, m)
     assert len(graphs.graphs) == 2
     old = eng.req_to_token
     eng.req_to_token = old.clone()  # the engine moves its slot table
     for _ in range(n + 2):
-        _forward(eng, m)
+        step(eng, m)
     assert len(graphs.graphs) == 4
     assert {k[2] for k in graphs.graphs} == {old.data_ptr(), eng.req_to_token.data_ptr()}
     m.flush()
@@ -141,7 +129,7 @@ def test_capture_failure_falls_back_to_direct_launches(monkeypatch: pytest.Monke
             for e, m in ((ea, ma), (eb, mb)):
                 if k == 18:
                     _corrupt(e, k)
-                _forward(e, m)
+                step(e, m)
     ma.flush()
     mb.flush()
     graphs = mb.program.graphs
@@ -158,7 +146,7 @@ def test_eager_forward_inside_an_engine_capture_is_not_captured_twice() -> None:
     graphs = m.program.graphs
     assert graphs is not None
     for _ in range(graphs.capture_after + 1):
-        _forward(eng, m)
+        step(eng, m)
     before = dict(graphs.graphs)
     assert len(before) == 2
     for moved in (False, True):
