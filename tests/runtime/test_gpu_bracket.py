@@ -160,10 +160,15 @@ def test_replay_without_canary_ops_is_caught_by_phase_check() -> None:
     assert "phase" in kinds and "watchdog" in kinds
 
 
-def test_no_allocations_or_syncs_in_device_parts() -> None:
+@pytest.mark.parametrize("graphed", [False, True])
+def test_no_allocations_or_syncs_in_device_parts(graphed: bool) -> None:
+    """Neither the direct launches nor, once the stages have their graphs (EagerGraphs), the graph launches."""
     eng, m = _make({"fingerprint": "all"})
-    _eager(eng, m)
-    _eager(eng, m)
+    graphs = m.program.graphs
+    assert graphs is not None
+    for _ in range(1 + (graphs.capture_after + 1 if graphed else 1)):  # the prefill, then decodes
+        _eager(eng, m)
+    assert len(graphs.graphs) == (2 if graphed else 0)
     b = eng.batch()
     m.begin_forward(b)
     torch.cuda.synchronize()
