@@ -292,12 +292,12 @@ class EagerGraphs:
     """The eager stages on CUDA as one graph launch each. A stage's native sequence launches its kernels one by one
     (about 4 µs of host time each); captured once, the same kernels with the same arguments run from one graph launch.
     A (stage, shape, slot table) is captured the ``capture_after``-th time it runs and launched from its graph from
-    then on; at most ``max_graphs`` are kept, later ones run directly. A capture costs 0.3-0.8 ms of host time and a
-    launch from the graph saves about 20 µs (H100), so only shapes that recur are captured: an engine's steady decode
-    shapes, not each prefill's. The graph freezes the kernels' arguments: the static buffers (fixed for the install)
-    and the table's address, shape and dtype (the key), so a graph never runs with another table. A capture that
-    fails turns the graphs off for this program (logged once): the stages then run directly, as with
-    ``CanaryConfig(eager_graphs=False)``."""
+    then on; at most ``max_graphs`` are kept, later ones run directly. A launch from the graph saved 14-23 µs of host
+    time per eager forward on an H100, and a capture costs up to about 0.8 ms once (bench/results/host_session17), so
+    only shapes that recur are captured: an engine's steady decode shapes, not each prefill's. The graph freezes the
+    kernels' arguments: the static buffers (fixed for the install) and the table's address, shape and dtype (the key),
+    so a graph never runs with another table. A capture that fails turns the graphs off for this program (logged
+    once): the stages then run directly, as with ``CanaryConfig(eager_graphs=False)``."""
 
     def __init__(self, device: torch.device, capture_after: int = 16, max_graphs: int = 64) -> None:
         self.enabled = True

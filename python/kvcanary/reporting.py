@@ -91,11 +91,10 @@ class Reporter:
         cuda = d.type == "cuda"
         # two snapshot buffers in host memory (CUDA: pinned, written by the staging kernel on the forward's stream),
         # each [tag | snapshot]: stage_window writes the tag last, so a buffer whose tag reads its pending window's has
-        # arrived (no event); per buffer the pending tag, None once its window is collected
+        # arrived (no event); a buffer is busy while a pending window names it
         self._host = [torch.zeros(1 + state.snapshot.numel(), dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._tags = [h.numpy()[:1] for h in self._host]
         self._snaps = [Snapshot.of(h.numpy()[1:], len(state.groups)) for h in self._host]
-        self._staged: list[int | None] = [None, None]
         self._stager = WindowStager(state.window_head, state.sink.count, state.sink.rows, state.reset_span,
                                     self._host, state.backend)
         # The alarm: the ring count (rows emitted since the last staging; it only grows until the next one). CPU: a
@@ -119,10 +118,10 @@ class Reporter:
         and reset the ring (one ``stage_window``)."""
         k = self._next
         self._next ^= 1
-        if self._staged[k] is not None:  # the buffer's previous window must have been collected
+        if any(p.index == k for p in self.pending):  # the buffer's previous window must have been collected
             self.collect(block=True)
         self.stagings += 1
-        tag = self._staged[k] = self.stagings  # fresh per staging: a buffer's old tag never reads as arrived
+        tag = self.stagings  # fresh per staging: a buffer's old tag never reads as arrived
         self._stager(k, tag)  # in stream order: the snapshot is read before the reset
         self.pending.append(_Pending(k, tag, self.window_first, forwards, self.health.expected.copy(),
                                      self.health.expected_forwards, self.sweeps_staged))
@@ -151,7 +150,6 @@ class Reporter:
                 if self._tags[p.index][0] != p.tag:
                     raise KVCanaryInternalError(f"window snapshot {p.tag} did not arrive after a device sync")
             self.pending.popleft()
-            self._staged[p.index] = None
             last = self._report(p)
         return last
 

@@ -149,7 +149,7 @@ def new_token_truth(truth: Sequence[Sequence[int]], pre: Sequence[int], ext: Seq
         if e == 1 and q >= 0:  # a decoding row: its one token, no slice (a list per row costs more)
             flat.append(hist[q] if q < len(hist) else -1)
             continue
-        seg = hist[p + offset:p + offset + e]
+        seg = hist[q:q + e]
         flat.extend(seg)
         if len(seg) < e:
             flat.extend((-1,) * (e - len(seg)))
