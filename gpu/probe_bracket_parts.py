@@ -1,7 +1,7 @@
-"""Probe: where the host time of bench_runtime's decode bracket goes (eager and graph replay, bs 1 and 64): the nested
+"""Probe: where the host time of bench_runtime's decode bracket goes (eager and replayed, per batch size): the nested
 parts of begin_forward, pre/post (the native sequence call) and end_forward, each timed around its call (inclusive,
 median and mean µs per call; a wrapped part adds well under a µs to its callers). Usage: python3
-gpu/probe_bracket_parts.py [cuda|cpu] [iters]."""
+gpu/probe_bracket_parts.py [cuda|cpu] [iters] [batch sizes, default 1,64]."""
 
 import statistics
 import sys
@@ -70,6 +70,7 @@ def _time_native(owner: type, attr: str, times: dict[str, list[float]]) -> None:
 def main() -> None:
     device = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cuda")
     iters = int(sys.argv[2]) if len(sys.argv) > 2 else 500
+    sizes = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "1,64").split(",")]
     times: dict[str, list[float]] = {}
     for owner, names in PARTS:
         for name in names:
@@ -83,7 +84,7 @@ def main() -> None:
         pass
     cases = [("eager", bench_case)] + ([("replay", bench_replay)] if device.type == "cuda" else [])
     for mode, fn in cases:
-        for bs in (1, 64):
+        for bs in sizes:
             times.clear()
             row = fn(bs, 128, device.type, device, iters)
             print(f"== {mode} bs {bs}: total median {row['total_us']} us, mean {row['total_mean_us']} us")

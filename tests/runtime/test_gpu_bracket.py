@@ -210,7 +210,7 @@ def test_invalidate_takes_host_and_device_slots_without_allocating(where: str) -
 
 
 def test_violation_window_is_staged_when_its_ring_count_arrives() -> None:
-    eng, m = _make({})  # report_interval 16
+    eng, m = _make({})  # the default report_interval: forward 6 is mid-window
     for _ in range(5):
         _eager(eng, m)
     _corrupt(eng, m, 3)
@@ -229,7 +229,7 @@ def test_violation_window_is_staged_when_its_ring_count_arrives() -> None:
 def test_alarm_windows_lose_no_rows_and_stage_no_empty_windows() -> None:
     """Bad forwards in pairs, no syncs: every staged window has rows or ends a report_interval (or is the flush's), and
     the windows' totals add up to the device's violation counters (a stale count would stage an empty window)."""
-    eng, m = _make({})
+    eng, m = _make({"report_interval": 16})  # clean windows end inside the 40 forwards too
     for k in range(40):
         bad = k % 9 in (4, 5)
         if bad:
@@ -242,7 +242,7 @@ def test_alarm_windows_lose_no_rows_and_stage_no_empty_windows() -> None:
     windows = list(m.reports)
     assert windows[0].first_step == 1 and windows[-1].last_step == 40
     assert all(a.last_step + 1 == b.first_step for a, b in zip(windows, windows[1:], strict=False))
-    assert all(r.total or r.last_step % 16 == 0 for r in windows[:-1])
+    assert all(r.total or r.last_step % m.config.report_interval == 0 for r in windows[:-1])
     assert sum(r.total for r in windows) == int(m.state.sink.counters[:, CounterCol.VIOLATIONS].sum()) > 0
     assert not m.health.problems
 

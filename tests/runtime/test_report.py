@@ -112,7 +112,7 @@ def test_report_interval_groups_forwards() -> None:
 
 
 def test_clean_forwards_stage_one_window_per_report_interval() -> None:
-    eng, m = setup(n_reqs=2)  # the default report_interval (16)
+    eng, m = setup(n_reqs=2, report_interval=16)
     got = [step(eng, m) for _ in range(40)]
     windows = [(r.first_step, r.last_step) for r in got if r is not None]
     assert windows == [(1, 16), (17, 32)]  # floor(40 / 16) clean windows, each returned by the forward ending it
@@ -135,7 +135,7 @@ def test_a_snapshot_whose_tag_never_arrives_is_an_internal_error() -> None:
 
 
 def test_violation_is_reported_by_the_violating_forward() -> None:
-    eng, m = setup(n_reqs=3, prompt_len=10)  # report_interval 16: forward 6 is mid-window
+    eng, m = setup(n_reqs=3, prompt_len=10)  # the default report_interval: forward 6 is mid-window
     assert all(step(eng, m) is None for _ in range(5))
     _flip_prefix(eng, m, "r1", 2)
     rep = step(eng, m)
@@ -191,7 +191,7 @@ def test_no_rows_lost_in_consecutive_violating_forwards(ring: int) -> None:
 
 
 def test_prune_keeps_every_step_of_an_unreported_window() -> None:
-    eng, m = setup(n_reqs=2)
+    eng, m = setup(n_reqs=2, report_interval=16)
     for _ in range(40):
         step(eng, m)
     m.reporter.prune()
