@@ -161,9 +161,10 @@ class CanaryManager:
             return False
         step = self.forwards + 1
         shape = self.program.bound_shape(bs, nt)
-        if not self.upload.steady(batch, step, shape):
+        ids = self.upload.steady(batch, step, shape)
+        if ids is None:
             return False
-        self._begun(batch, kind, step, shape, table)
+        self._begun(batch, kind, step, shape, table, ids)
         self._report_due()
         return True
 
@@ -187,15 +188,16 @@ class CanaryManager:
         self.upload.begin(batch, step, capture, shape)
         if capture:
             self._captured.add(key)
-        self._begun(batch, kind, step, shape, table)
+        self._begun(batch, kind, step, shape, table, tuple(batch.request_ids))
 
     def _begun(self, batch: BatchView, kind: ForwardKind, step: int, shape: tuple[int, int],
-               table: torch.Tensor) -> None:
-        """After the upload of forward ``step``: its slot table, its requests for the report, its device stages."""
+               table: torch.Tensor, ids: Sequence[Hashable | None]) -> None:
+        """After the upload of forward ``step``: its slot table, its requests (``ids``: a copy of the batch's, never
+        changed after) for the report, its device stages."""
         self._table, self._shape = table, shape
         if kind is not ForwardKind.CAPTURE:
             offset = self.pool.token_offset if batch.token_offset is None else batch.token_offset
-            self.reporter.step_batches[step] = StepBatch(tuple(batch.request_ids), offset)
+            self.reporter.step_batches[step] = StepBatch(ids, offset)
         if kind is not ForwardKind.REPLAY:
             stages = self.program.stages(table)
             capture = kind is ForwardKind.CAPTURE

@@ -23,6 +23,7 @@ class RequestRows:
         self.seen = np.full(rows, -1, dtype=np.int64)
         self.prefix = np.zeros(rows, dtype=np.int64)  # the row's prefix length in that forward
         self._row: dict[Hashable, int] = {}
+        self.version = 0  # bumped whenever a row changes hands: an answer derived from `owner` holds while it stands
 
     def unclaimed(self, rows: np.ndarray, keys: np.ndarray, live: np.ndarray) -> np.ndarray:
         """bool [bs]: the live entries whose row is not held by their request (``rows`` int64, ``keys`` object)."""
@@ -35,6 +36,7 @@ class RequestRows:
         claimed row and each row a moved request left)."""
         new = np.fromiter((keys[i] not in self._row for i in idx.tolist()), dtype=bool, count=idx.shape[0])
         reset: list[int] = []
+        self.version += 1
         for i in idx.tolist():
             row, key = int(rows[i]), keys[i]
             old = self._row.get(key)
@@ -60,6 +62,7 @@ class RequestRows:
         row = self._row.pop(key, None)
         if row is not None:
             self.owner[row] = None
+            self.version += 1
         return row
 
     def stale(self, step: int, horizon: int) -> list[Hashable]:

@@ -23,6 +23,7 @@ from kvcanary.truth import BatchTruth, RowChains, all_set, host_hashers
 KEEP_ALL = -1  # flag mask keeping every PlanFlag bit
 NO_PREFIX = ~int(PlanFlag.EXPECT_PREFIX)
 NO_NEW = ~int(PlanFlag.EXPECT_NEW)
+HeldIds = list[Hashable | None]  # a batch's request ids as their rows hold them (a list nothing changes after)
 
 
 def host_i64(values: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
@@ -76,31 +77,33 @@ class Upload:
         # (CanaryState allocates them so)
         self._dirty = (0, 0)
         self.any_new = True
+        # the last held batch (:meth:`_held`): (requests.version, its rows' bytes, its request ids, its live mask)
+        self._last_held: tuple[int, bytes, HeldIds, np.ndarray] | None = None
         # begin_decode serves the batches of this config: bulk token truth, the FULL policy
         self._decodes = self.stripes is None and config.token_truth == TokenTruth.CHAIN
         # batches up to this many rows: the CUDA begin_decode passes their staging rows in its launch (no staging row
         # used, so no event to wait for or record)
         self._inline = STAGE_INLINE_ROWS if self._stage.backend == "cuda" else 0
 
-    def steady(self, batch: BatchView, step: int, shape: tuple[int, int]) -> bool:
+    def steady(self, batch: BatchView, step: int, shape: tuple[int, int]) -> HeldIds | None:
         """A steady batch (forward ``step``, bound ``shape``): every live request holds its row and continues it with
         its new tokens (a decode, a speculative round, the next chunk of a prefill), whose truth is given (the tokens,
         or the engine's own expected chains), under the FULL policy and CHAIN truth. Tokens: checked, hashed and staged
         by one native call (``begin_decode``, docs/ops-contract.md 8c); given chains: staged as they are
-        (:meth:`_stage_given`). False, with nothing changed, for any other batch (:meth:`begin` takes it); bad input
-        raises CanaryInputError (``BatchView.validate``'s message where it has one) before anything changes. The
-        caller has checked the batch's fit (capacities, slot table)."""
+        (:meth:`_stage_given`). Returns the batch's request ids as held (a list never changed after: the step's
+        attribution); None, with nothing changed, for any other batch (:meth:`begin` takes it). Bad input raises
+        CanaryInputError (``BatchView.validate``'s message where it has one) before anything changes. The caller has
+        checked the batch's fit (capacities, slot table)."""
         new, given = batch.true_new_tokens, batch.expected_chains
         if not self._chain_rows(batch) or (given is None and new is None):
-            return False
-        ids, done = batch.request_ids, False
+            return None
+        done = False
         try:
             rows = host_i64(batch.req_pool_indices_host)
-            if not self._held(rows, ids):
-                return False
-            live = rows != self.pool.padding_row
-            if None in ids:  # a C-level scan: np.not_equal on an object array costs far more
-                live &= np.not_equal(request_keys(ids), None)  # type: ignore[call-overload]
+            held = self._held(rows, batch.request_ids)
+            if held is None:
+                return None
+            ids, live = held
             host = (rows, host_i64(batch.prefix_lens_host), host_i64(batch.extend_lens_host))
             if given is not None:
                 done = self._stage_given(batch, host, given, live, step, shape)
@@ -110,9 +113,10 @@ class Upload:
             cfg = self.config
             batch.validate(self.pool, cfg.req_capacity, cfg.token_capacity, self.state.device)
             raise CanaryInputError(f"batch: {err}") from err
-        if done:
-            self.any_new = False  # every request holds its row and continues it, no stripes
-        return done
+        if not done:
+            return None
+        self.any_new = False  # every request holds its row and continues it, no stripes
+        return ids
 
     def begin(self, batch: BatchView, step: int, capture: bool, shape: tuple[int, int]) -> None:
         """Token truth, stripe ends and reuse ends of ``batch`` (forward ``step``) staged with the batch into the static
@@ -238,13 +242,25 @@ class Upload:
         r, t = self._dirty
         self._dirty = (bs if r <= shape[0] else r, nt if t <= shape[1] else t)
 
-    def _held(self, rows: np.ndarray, ids: Sequence[Hashable | None]) -> bool:
-        """Whether every request holds its row (padding: None on a row nobody holds), by a list compare (no object
-        ufunc). Rows outside the slot table are not held (begin_decode declines them, the slow path checks them)."""
+    def _held(self, rows: np.ndarray, ids: Sequence[Hashable | None]) -> tuple[HeldIds, np.ndarray] | None:
+        """(The request ids as held, the live mask) when every request holds its row (padding: None on a row nobody
+        holds), by a list compare (no object ufunc); else None. Rows outside the slot table are not held (begin_decode
+        declines them, the slow path checks them). A batch of the last one's rows and ids, with no row changed hands
+        since, gets the last answer: a decode stream's batches repeat, and the compares cost microseconds at bs 256."""
+        key, last = rows.tobytes(), self._last_held
+        if last is not None and last[0] == self.requests.version and last[1] == key and last[2] == ids:
+            return last[2], last[3]
         try:
-            return bool(self.requests.owner[rows].tolist() == (ids if isinstance(ids, list) else list(ids)))
+            held = self.requests.owner[rows].tolist()
         except IndexError:
-            return False
+            return None
+        if held != (ids if isinstance(ids, list) else list(ids)):
+            return None
+        live = rows != self.pool.padding_row
+        if None in held:  # a C-level scan: np.not_equal on an object array costs far more
+            live &= np.not_equal(request_keys(held), None)  # type: ignore[call-overload]
+        self._last_held = (self.requests.version, key, held, live)
+        return held, live
 
     def _claim(self, rows: np.ndarray, keys: np.ndarray, claims: np.ndarray, pre: np.ndarray, capture: bool,
                reuse_end: np.ndarray) -> None:

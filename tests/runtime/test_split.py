@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvcanary.adapter import BatchView
 from kvcanary.errors import CanaryInputError
 from kvcanary.health import Coverage
@@ -179,7 +181,7 @@ def test_given_chains_report_like_the_list_form(unknown: str | None, monkeypatch
         return staged[-1]
     monkeypatch.setattr(Upload, "_stage_given", counted)
     out = []
-    for given in (False, True):
+    for with_chains in (False, True):
         eng, m = setup(n_reqs=3, mode="log")
         hasher = ChainHasher()
         for k in range(6):
@@ -188,7 +190,7 @@ def test_given_chains_report_like_the_list_form(unknown: str | None, monkeypatch
                 slot = int(eng.req_to_token[r.row, r.kv_len - 1])
                 m.state.groups[0].tail.records[slot, 0, RecordField.TOKEN] += 1
             b = eng.batch()
-            if given:
+            if with_chains:
                 b = _given(b, hasher, unknown)
             elif unknown is not None:
                 b = dataclasses.replace(b, true_tokens=[None if rid == unknown else h for rid, h in
@@ -296,9 +298,10 @@ def test_the_steady_path_leaves_what_the_general_path_leaves(backend: str, view:
     taken: list[bool] = []
     steady = engines[0][1].upload.steady
 
-    def spy(*args: object) -> bool:
-        taken.append(steady(*args))  # type: ignore[arg-type]
-        return taken[-1]
+    def spy(*args: object) -> list[object] | None:
+        ids = steady(*args)  # type: ignore[arg-type]
+        taken.append(ids is not None)
+        return ids  # type: ignore[return-value]
     engines[0][1].upload.steady = spy  # type: ignore[method-assign]
     for i in range(6):
         for eng, m in engines:
@@ -329,3 +332,35 @@ def test_a_capture_leaves_the_rows_chains_where_they_were() -> None:
     assert np.array_equal(chains.h, h) and np.array_equal(chains.n, n)
     assert m.upload.steady(b, m.forwards + 1, shape)
     assert torch.equal(m.state.truth_rows, staged) and (chains.n != n).any()
+
+
+_KEYS = st.sampled_from(["a", "b", "c", None])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["held", "held", "claim", "drop"]),
+                          st.lists(st.tuples(st.integers(0, 3), _KEYS), min_size=1, max_size=3)), max_size=14))
+def test_held_answers_match_the_owners_after_every_claim_and_drop(ops: list[tuple[str, list[tuple[int, Any]]]]) -> None:
+    """Upload._held reuses its last answer for a batch of the same rows and ids: after any claim or drop in between it
+    still answers what the rows' owners say now (the ids as held and the live mask, or None)."""
+    _, m = setup(n_reqs=0)
+    up, req = m.upload, m.upload.requests
+    pad = m.pool.padding_row
+    last: list[tuple[int, Any]] = []
+    for op, batch in ops:
+        if op == "claim":
+            rows, ka = np.array([r for r, _ in batch], np.int64), np.array([k for _, k in batch], dtype=object)
+            req.claim(rows, ka, np.flatnonzero(req.unclaimed(rows, ka, np.not_equal(ka, None))))
+        elif op == "drop":
+            for _, k in batch:
+                req.drop(k)
+        # the last batch queried first (its answer is the one kept), then this one twice (the second reuses it)
+        for b in ([last] if last else []) + [batch, batch]:
+            rows, keys = np.array([r for r, _ in b], np.int64), [k for _, k in b]
+            got = up._held(rows, list(keys))
+            if req.owner[rows].tolist() != keys:
+                assert got is None
+                continue
+            assert got is not None and got[0] == keys
+            assert got[1].tolist() == [r != pad and k is not None for r, k in b]
+        last = batch

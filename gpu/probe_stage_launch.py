@@ -1,0 +1,84 @@
+"""Probe: host µs of the begin's native staging calls on CUDA, to split ``begin_decode``'s cost between its launch (its
+parameters: the inline staging rows) and the rest. Per batch size: ``begin_decode`` (a steady decode, its row chains
+restored before each call, outside the timer), ``stage_batch`` of the same batch from a pinned staging row, and the
+floor (a one-launch native op).
+Usage: python3 gpu/probe_stage_launch.py [iters] [batch sizes, default 1,64,65,256] [device, default cuda]."""
+
+import statistics
+import sys
+import time
+
+import torch
+from kvcanary import _native
+from kvcanary.manager import install
+from kvcanary.upload import _sources, host_array, host_i64
+
+from bench.bench_runtime import Workload, make_config
+
+DEV = torch.device(sys.argv[3] if len(sys.argv) > 3 else "cuda")
+
+
+def sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, n: int, before=None) -> float:  # type: ignore[no-untyped-def]
+    ts = []
+    for _ in range(n):
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+        if len(ts) % 64 == 0:
+            sync()
+    sync()
+    return 1e6 * statistics.median(ts)
+
+
+def case(bs: int, n: int) -> None:
+    w = Workload(bs, 64, 8, DEV)
+    m = install(w.pool(), make_config("default", DEV.type, bs, 64))
+    for b in (w.batch(64), w.batch(1)):
+        m.begin_forward(b)
+        m.pre_forward()
+        m.post_forward()
+        m.end_forward()
+    b = w.batch(1)
+    up = m.upload
+    src = _sources(b)
+    rows, pre, ext = (host_i64(v) for v in (b.req_pool_indices_host, b.prefix_lens_host, b.extend_lens_host))
+    live = rows != m.pool.padding_row
+    new = host_array(b.true_new_tokens)
+    shape = m.program.bound_shape(bs, int(b.input_ids.shape[0]))
+    pads = up._pads(bs, int(b.input_ids.shape[0]), shape)
+    h, nn = up.chains.h.copy(), up.chains.n.copy()
+
+    def restore() -> None:
+        up.chains.h[:], up.chains.n[:] = h, nn
+
+    def decode() -> None:
+        got = up._stage.decode(src, 0, *pads, (rows, pre, ext), new, live, up._row_state, up.chains.offset, 3)
+        if got < 0:
+            raise SystemExit(f"begin_decode declined the batch: {got}")
+
+    mod = _native.module(DEV.type)
+    z = torch.zeros(0, dtype=torch.int64, device=DEV)
+    one = torch.zeros(1, dtype=torch.int64, device=DEV)
+    mirror = torch.zeros(0, dtype=torch.int64)
+    res = {"begin_decode": timed(decode, n, restore),
+           "stage_batch (pinned row)": timed(lambda: up._stage(src, 0, *pads), n),
+           "floor: one-launch native op": timed(lambda: mod.bookkeep(one, z, z, z, mirror), n),
+           "restore only": timed(restore, n)}
+    print(f"bs {bs}: " + ", ".join(f"{k} {v:.2f} us" for k, v in res.items()), flush=True)
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    for bs in (int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "1,64,65,256").split(",")):
+        case(bs, n)
+
+
+if __name__ == "__main__":
+    main()
