@@ -36,9 +36,7 @@ struct InlineStaging {
   int64_t v[kStagingRows][Cols];
 };
 
-// A launch's cost grows with its parameters (5 x 64 rows are 2.5 KiB): a small batch passes the small variant.
-constexpr int kSmallInlineRows = 8;
-static_assert(kSmallInlineRows <= STAGE_INLINE_ROWS, "the small inline staging must fit the large one's batches");
+static_assert(STAGE_INLINE_SMALL_ROWS <= STAGE_INLINE_ROWS, "the small inline staging holds fewer rows");
 
 template <int Cols>
 __global__ void __launch_bounds__(kStageThreads)
@@ -113,9 +111,9 @@ int64_t begin_decode(TensorView req_pool_indices, TensorView prefix_lens, Tensor
   const TensorView src[6] = {req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc};
   const StageArgs checked =
       check_stage_args(kDLCUDA, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row);
-  if (checked.bs <= kSmallInlineRows) {
-    return begin_decode_inline<kSmallInlineRows>(checked, host_rows, host_pre, host_ext, true_new, live, h, n, offset,
-                                                 seen, prefix, step, reuse, rows.device());
+  if (checked.bs <= STAGE_INLINE_SMALL_ROWS) {  // a launch's host cost grows with its parameters (5 x 64 rows: 2.5 KiB)
+    return begin_decode_inline<STAGE_INLINE_SMALL_ROWS>(checked, host_rows, host_pre, host_ext, true_new, live, h, n,
+                                                        offset, seen, prefix, step, reuse, rows.device());
   }
   if (checked.bs <= STAGE_INLINE_ROWS) {
     return begin_decode_inline<STAGE_INLINE_ROWS>(checked, host_rows, host_pre, host_ext, true_new, live, h, n, offset,
