@@ -1,12 +1,13 @@
 """Probe: host µs of the begin's native staging calls on CUDA, to split ``begin_decode``'s cost between its launch (its
 parameters: the inline staging rows) and the rest. Per batch size: ``begin_decode`` (a steady decode, its row chains
-restored before each call, outside the timer), ``stage_batch`` of the same batch from a pinned staging row, and the
-floor (a one-launch native op).
+restored before each call, outside the timer) and ``stage_batch`` of the same batch from a pinned staging row; and the
+floor (a one-launch native op). The calls run round-robin, so that each sees the same host state.
 Usage: python3 gpu/probe_stage_launch.py [iters] [batch sizes, default 1,64,65,256] [device, default cuda]."""
 
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from kvcanary import _native
@@ -23,21 +24,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, n: int, before=None) -> float:  # type: ignore[no-untyped-def]
-    ts = []
-    for _ in range(n):
-        if before is not None:
-            before()
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-        if len(ts) % 64 == 0:
-            sync()
-    sync()
-    return 1e6 * statistics.median(ts)
+Call = tuple[Callable[[], object], Callable[[], object] | None]  # (the timed call, its untimed preparation)
 
 
-def case(bs: int, n: int) -> None:
+def case(bs: int) -> dict[str, Call]:
+    """The calls of a steady bs-row decode on a fresh manager: begin_decode (its rows' chains restored first) and
+    stage_batch from a pinned staging row."""
     w = Workload(bs, 64, 8, DEV)
     m = install(w.pool(), make_config("default", DEV.type, bs, 64))
     for b in (w.batch(64), w.batch(1)):
@@ -62,22 +54,34 @@ def case(bs: int, n: int) -> None:
         got = up._stage.decode(src, 0, *pads, (rows, pre, ext), new, live, up._row_state, up.chains.offset, 3)
         if got < 0:
             raise SystemExit(f"begin_decode declined the batch: {got}")
-
-    mod = _native.module(DEV.type)
-    z = torch.zeros(0, dtype=torch.int64, device=DEV)
-    one = torch.zeros(1, dtype=torch.int64, device=DEV)
-    mirror = torch.zeros(0, dtype=torch.int64)
-    res = {"begin_decode": timed(decode, n, restore),
-           "stage_batch (pinned row)": timed(lambda: up._stage(src, 0, *pads), n),
-           "floor: one-launch native op": timed(lambda: mod.bookkeep(one, z, z, z, mirror), n),
-           "restore only": timed(restore, n)}
-    print(f"bs {bs}: " + ", ".join(f"{k} {v:.2f} us" for k, v in res.items()), flush=True)
+    def stage() -> None:
+        up._stage(src, 0, *pads)
+    return {f"bs {bs} begin_decode": (decode, restore), f"bs {bs} stage_batch": (stage, None)}
 
 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    calls: dict[str, Call] = {}
     for bs in (int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "1,64,65,256").split(",")):
-        case(bs, n)
+        calls.update(case(bs))
+    mod = _native.module(DEV.type)
+    z = torch.zeros(0, dtype=torch.int64, device=DEV)
+    one = torch.zeros(1, dtype=torch.int64, device=DEV)
+    mirror = torch.zeros(0, dtype=torch.int64)
+    calls["floor: one-launch native op"] = (lambda: mod.bookkeep(one, z, z, z, mirror), None)
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for i in range(n):  # round-robin: every call sees the same host state
+        for name, (fn, before) in calls.items():
+            if before is not None:
+                before()
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+        if i % 16 == 15:
+            sync()
+    sync()
+    for name, ts in times.items():
+        print(f"{name:32s} median {1e6 * statistics.median(ts):6.2f} us", flush=True)
 
 
 if __name__ == "__main__":
