@@ -29,18 +29,14 @@ __global__ void __launch_bounds__(kStageThreads) stage_batch_kernel(StageArgs a)
   stage_grid(a);
 }
 
-// The staging rows of a batch of at most Cols rows, passed by value in the launch (docs/ops-contract.md 8c): the host
-// then writes no memory that a launch still in flight may read.
-template <int Cols>
+// The staging rows of a batch of at most STAGE_INLINE_ROWS rows, passed by value in the launch (docs/ops-contract.md
+// 8c): the host then writes no memory that a launch still in flight may read.
 struct InlineStaging {
-  int64_t v[kStagingRows][Cols];
+  int64_t v[kStagingRows][STAGE_INLINE_ROWS];
 };
 
-static_assert(STAGE_INLINE_SMALL_ROWS <= STAGE_INLINE_ROWS, "the small inline staging holds fewer rows");
-
-template <int Cols>
 __global__ void __launch_bounds__(kStageThreads)
-    stage_inline_kernel(StageArgs a, const __grid_constant__ InlineStaging<Cols> s) {
+    stage_inline_kernel(StageArgs a, const __grid_constant__ InlineStaging s) {
   await_prior_kernels();
   a.staging = &s.v[0][0];  // the launch's parameter space (__grid_constant__: addressable, not copied)
   stage_grid(a);
@@ -67,23 +63,22 @@ void launch_stage(const StageArgs& a, const DLDevice& dev) {
   }
 }
 
-// A steady decode of at most Cols rows: the truth into the launch's own staging rows, the staging buffer neither read
-// nor written (nor required pinned).
-template <int Cols>
+// A steady decode of at most STAGE_INLINE_ROWS rows: the truth into the launch's own staging rows, the staging buffer
+// neither read nor written (nor required pinned).
 int64_t begin_decode_inline(StageArgs a, const TensorView& host_rows, const TensorView& host_pre,
                             const TensorView& host_ext, const TensorView& true_new, const TensorView& live,
                             const TensorView& h, const TensorView& n, int64_t offset, const TensorView& seen,
                             const TensorView& prefix, int64_t step, const TensorView& reuse, const DLDevice& dev) {
-  InlineStaging<Cols> s;
-  a.staging_cols = Cols;
+  InlineStaging s;
+  a.staging_cols = STAGE_INLINE_ROWS;
   const int64_t got = begin_decode_host(a, &s.v[0][0], host_rows, host_pre, host_ext, true_new, live, h, n, offset,
                                         seen, prefix, step, reuse);
   if (got < 0) return got;
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const int64_t grid = stage_blocks(a, dev.device_id);
   if (grid > 0) {
-    launch_kernel(stage_inline_kernel<Cols>, static_cast<unsigned>(grid), kStageThreads, stream_of(dev),
-                  dev.device_id, a, s);
+    launch_kernel(stage_inline_kernel, static_cast<unsigned>(grid), kStageThreads, stream_of(dev), dev.device_id, a,
+                  s);
   }
   return got;
 }
@@ -111,13 +106,9 @@ int64_t begin_decode(TensorView req_pool_indices, TensorView prefix_lens, Tensor
   const TensorView src[6] = {req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc};
   const StageArgs checked =
       check_stage_args(kDLCUDA, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row);
-  if (checked.bs <= STAGE_INLINE_SMALL_ROWS) {  // a launch's host cost grows with its parameters (5 x 64 rows: 2.5 KiB)
-    return begin_decode_inline<STAGE_INLINE_SMALL_ROWS>(checked, host_rows, host_pre, host_ext, true_new, live, h, n,
-                                                        offset, seen, prefix, step, reuse, rows.device());
-  }
   if (checked.bs <= STAGE_INLINE_ROWS) {
-    return begin_decode_inline<STAGE_INLINE_ROWS>(checked, host_rows, host_pre, host_ext, true_new, live, h, n, offset,
-                                                  seen, prefix, step, reuse, rows.device());
+    return begin_decode_inline(checked, host_rows, host_pre, host_ext, true_new, live, h, n, offset, seen, prefix,
+                               step, reuse, rows.device());
   }
   const StageArgs a = mapped(checked);  // every check (the staging's pinning included) before the decode writes
   const int64_t got = begin_decode_host(a, static_cast<int64_t*>(staging.data_ptr()), host_rows, host_pre, host_ext,

@@ -26,7 +26,6 @@ from kvcanary_schema import (
     NUM_PLAN_STATUS_COLS,
     RECORD_NUM_FIELDS,
     STAGE_INLINE_ROWS,
-    STAGE_INLINE_SMALL_ROWS,
     TOKEN_LIMIT,
     FingerprintMode,
     PlanStatusCol,
@@ -889,17 +888,12 @@ def test_stage_batch_replays_in_a_graph() -> None:
 
 # ---- begin_decode ------------------------------------------------------------------------------------------------
 
-_SIZES = {"small": (0, STAGE_INLINE_SMALL_ROWS), "inline": (STAGE_INLINE_SMALL_ROWS + 1, STAGE_INLINE_ROWS),
-          "pinned": (STAGE_INLINE_ROWS + 1, 300)}
-
-
-def _decode_case(rng: random.Random, size: str = "pinned") -> dict[str, Any]:
+def _decode_case(rng: random.Random, inline: bool = False) -> dict[str, Any]:
     """A batch over R rows, mostly steady (mostly one new token a row, some several or none; some rows rewound, some
-    tokens unknown or out of range; reuse ends or none), of a row count in ``_SIZES[size]``: at most
-    STAGE_INLINE_SMALL_ROWS or STAGE_INLINE_ROWS (the CUDA op passes the staging rows in its small or large launch),
-    or more (pinned staging)."""
+    tokens unknown or out of range; reuse ends or none); ``inline``: at most STAGE_INLINE_ROWS rows (the CUDA op passes
+    the staging rows in its launch), else more."""
     rows_n = rng.randint(2, 400)
-    bs = rng.randint(*_SIZES[size])
+    bs = rng.randint(0, STAGE_INLINE_ROWS) if inline else rng.randint(STAGE_INLINE_ROWS + 1, 300)
     n = torch.randint(0, 5000, (rows_n,)).numpy()
     rows = [rng.randrange(rows_n) for _ in range(bs)]
     live = [rng.random() < 0.9 for _ in range(bs)]
@@ -931,14 +925,12 @@ def _run_decode(c: dict[str, Any], backend: str, dev: str, pinned: bool = True) 
     return got, [staging, *(t.cpu() for t in dst), *(torch.from_numpy(a) for a in state)]
 
 
-@pytest.mark.parametrize("size", list(_SIZES))
+@pytest.mark.parametrize("inline", [False, True])
 @pytest.mark.parametrize("seed", range(16))
-def test_begin_decode_matches(seed: int, size: str) -> None:
-    """CUDA (host decode + the staging launch) against the C++ CPU op and the torch reference on the device, at each
-    size of staging (in the small or the large launch variant, or pinned); a batch of at most STAGE_INLINE_ROWS rows
-    leaves the CUDA op's staging buffer as it was (its rows travel in the launch)."""
-    c = _decode_case(random.Random(seed), size=size)
-    inline = size != "pinned"
+def test_begin_decode_matches(seed: int, inline: bool) -> None:
+    """CUDA (host decode + the staging launch) against the C++ CPU op and the torch reference on the device; a batch of
+    at most STAGE_INLINE_ROWS rows leaves the CUDA op's staging buffer as it was (its rows travel in the launch)."""
+    c = _decode_case(random.Random(seed), inline)
     outs = {b: _run_decode(c, b, dev) for b, dev in (("cpu", "cpu"), ("cuda", CUDA), ("torch", CUDA))}
     for backend in ("cuda", "torch"):
         got, want = outs[backend][1], outs["cpu"][1]
@@ -952,7 +944,7 @@ def test_begin_decode_matches(seed: int, size: str) -> None:
 def test_begin_decode_inline_needs_no_pinned_staging() -> None:
     """A batch of at most STAGE_INLINE_ROWS rows never touches the staging buffer: pageable staging is accepted and
     the result matches the C++ CPU op."""
-    c = _decode_case(random.Random(3), "inline")
+    c = _decode_case(random.Random(3), inline=True)
     want = _run_decode(c, "cpu", "cpu")
     got = _run_decode(c, "cuda", CUDA, pinned=False)
     assert got[0] == want[0] and torch.equal(got[1][0], c["staging"])

@@ -196,7 +196,6 @@ constexpr int64_t PARTIAL_READ_BYTES = 16LL;  // bytes read per source row in PA
 constexpr int64_t TOKEN_LIMIT = 2147483648LL;  // tokens and positions must lie in [0, TOKEN_LIMIT)
 constexpr int64_t MAX_HALVES = 2LL;  // halves per buffer (K, V)
 constexpr int64_t STAGE_INLINE_ROWS = 64LL;  // CUDA begin_decode: a batch of at most this many rows carries its staging rows in the launch's parameters, not in pinned memory
-constexpr int64_t STAGE_INLINE_SMALL_ROWS = 8LL;  // CUDA begin_decode: a batch of at most this many rows passes only this many staging columns (a launch's host cost grows with its parameters)
 constexpr int64_t INVALIDATE_INLINE_SLOTS = 960LL;  // CUDA invalidate of a host slot list: slots carried per launch in its parameters (int32, under the 4 KiB parameter limit)
 
 // Default capacities and intervals.

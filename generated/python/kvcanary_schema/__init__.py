@@ -279,7 +279,6 @@ PARTIAL_READ_BYTES: Final = 16  # bytes read per source row in PARTIAL mode
 TOKEN_LIMIT: Final = 2147483648  # tokens and positions must lie in [0, TOKEN_LIMIT)
 MAX_HALVES: Final = 2  # halves per buffer (K, V)
 STAGE_INLINE_ROWS: Final = 64  # CUDA begin_decode: a batch of at most this many rows carries its staging rows in the launch's parameters, not in pinned memory
-STAGE_INLINE_SMALL_ROWS: Final = 8  # CUDA begin_decode: a batch of at most this many rows passes only this many staging columns (a launch's host cost grows with its parameters)
 INVALIDATE_INLINE_SLOTS: Final = 960  # CUDA invalidate of a host slot list: slots carried per launch in its parameters (int32, under the 4 KiB parameter limit)
 
 # Default capacities and intervals.
