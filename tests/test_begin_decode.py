@@ -39,10 +39,12 @@ class Case:
             (bs + 1, nt + 1)
         self.seen, self.prefix = np.full(len(h), -5, np.int64), np.full(len(h), -6, np.int64)
         self.reuse = None if reuse is None else np.array(reuse, np.int64)
+        self.event = 0
 
     def run(self, backend: str) -> int:
         return begin_decode(self.src, self.staging, *self.dst, *self.pads, 0, self.host, self.new, self.live, self.h,
-                            self.n, self.offset, self.seen, self.prefix, STEP, backend=backend, reuse=self.reuse)
+                            self.n, self.offset, self.seen, self.prefix, STEP, backend=backend, reuse=self.reuse,
+                            event=self.event)
 
     def state(self) -> list[list[int]]:
         return [t.tolist() for t in (self.staging, *self.dst)] + \
@@ -110,7 +112,7 @@ def test_bad_values_write_nothing(backend: str, bad: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bad", ["extend sum", "extend sum wraps", "host length", "true_new length", "live length",
-                                 "staging rows", "row state length", "reuse length"])
+                                 "staging rows", "row state length", "reuse length", "an event off CUDA"])
 def test_input_errors_raise_before_any_write(backend: str, bad: str) -> None:
     c = Case(rows=[1, 2], pre=[3, 3], ext=[1, 1], new=[5, 6], live=[True, True], h=[1, 2, 3], n=[0, 3, 3])
     if bad == "extend sum":
@@ -127,6 +129,8 @@ def test_input_errors_raise_before_any_write(backend: str, bad: str) -> None:
         c.staging = c.staging[:4]
     elif bad == "reuse length":
         c.reuse = np.zeros(3, np.int64)
+    elif bad == "an event off CUDA":  # only the CUDA op's pinned staging has an event
+        c.event = 1
     else:
         c.seen = c.seen[:2]
     before = c.state()

@@ -29,14 +29,15 @@ void stage_batch(TensorView req_pool_indices, TensorView prefix_lens, TensorView
   stage_all(check_stage_args(kDLCPU, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row));
 }
 
-// docs/ops-contract.md 8c: stage_batch's arguments, then the steady decode's host arrays (8a); stages only after a
-// steady decode (result >= 0).
+// docs/ops-contract.md 8c: stage_batch's arguments, then the steady decode's host arrays (8a) and the staging event (0
+// here: CUDA only); stages only after a steady decode (result >= 0).
 int64_t begin_decode(TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens,
                      TensorView input_ids, TensorView positions, TensorView out_cache_loc, TensorView staging,
                      TensorView rows, TensorView truth, TensorView tokens, int64_t pad_rows, int64_t pad_tokens,
                      int64_t padding_row, TensorView host_rows, TensorView host_pre, TensorView host_ext,
                      TensorView true_new, TensorView live, TensorView h, TensorView n, int64_t offset,
-                     TensorView seen, TensorView prefix, int64_t step, TensorView reuse) {
+                     TensorView seen, TensorView prefix, int64_t step, TensorView reuse, int64_t event) {
+  TVM_FFI_CHECK(event == 0, ValueError) << "event must be 0 on the CPU backend (a CUDA event guards pinned staging)";
   const TensorView src[6] = {req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc};
   const StageArgs a = check_stage_args(kDLCPU, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row);
   const int64_t got = begin_decode_host(a, static_cast<int64_t*>(staging.data_ptr()), host_rows, host_pre, host_ext,

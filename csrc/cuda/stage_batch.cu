@@ -54,13 +54,15 @@ int64_t stage_blocks(const StageArgs& a, int device_id) {
   return std::min<int64_t>((n + kStageThreads - 1) / kStageThreads, 4 * static_cast<int64_t>(sm_count(device_id)));
 }
 
-// `a` from mapped().
-void launch_stage(const StageArgs& a, const DLDevice& dev) {
+// `a` from mapped(); `event` (0: none) is recorded after the launch, which reads the pinned staging rows in place.
+void launch_stage(const StageArgs& a, const DLDevice& dev, cudaEvent_t event = nullptr) {
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const int64_t grid = stage_blocks(a, dev.device_id);
+  const cudaStream_t stream = stream_of(dev);
   if (grid > 0) {
-    launch_kernel(stage_batch_kernel, static_cast<unsigned>(grid), kStageThreads, stream_of(dev), dev.device_id, a);
+    launch_kernel(stage_batch_kernel, static_cast<unsigned>(grid), kStageThreads, stream, dev.device_id, a);
   }
+  if (event != nullptr) TVM_FFI_CHECK_CUDA_ERROR(cudaEventRecord(event, stream));
 }
 
 // A steady decode of at most STAGE_INLINE_ROWS rows: the truth into the launch's own staging rows, the staging buffer
@@ -96,13 +98,14 @@ void stage_batch(TensorView req_pool_indices, TensorView prefix_lens, TensorView
 
 // docs/ops-contract.md 8c: the steady decode's truth into the pinned staging rows on the host, then the staging
 // launch that reads them in place (only after a steady decode: result >= 0); a batch of at most STAGE_INLINE_ROWS
-// rows passes them in the launch instead.
+// rows passes them in the launch instead. `event` (a cudaEvent_t as int64, 0: none) guards the pinned rows: awaited
+// before the decode writes them, recorded after the launch that reads them (unused by a batch passed in the launch).
 int64_t begin_decode(TensorView req_pool_indices, TensorView prefix_lens, TensorView extend_lens,
                      TensorView input_ids, TensorView positions, TensorView out_cache_loc, TensorView staging,
                      TensorView rows, TensorView truth, TensorView tokens, int64_t pad_rows, int64_t pad_tokens,
                      int64_t padding_row, TensorView host_rows, TensorView host_pre, TensorView host_ext,
                      TensorView true_new, TensorView live, TensorView h, TensorView n, int64_t offset,
-                     TensorView seen, TensorView prefix, int64_t step, TensorView reuse) {
+                     TensorView seen, TensorView prefix, int64_t step, TensorView reuse, int64_t event) {
   const TensorView src[6] = {req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc};
   const StageArgs checked =
       check_stage_args(kDLCUDA, src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row);
@@ -111,9 +114,11 @@ int64_t begin_decode(TensorView req_pool_indices, TensorView prefix_lens, Tensor
                                step, reuse, rows.device());
   }
   const StageArgs a = mapped(checked);  // every check (the staging's pinning included) before the decode writes
+  const auto guard = reinterpret_cast<cudaEvent_t>(event);
+  if (guard != nullptr) TVM_FFI_CHECK_CUDA_ERROR(cudaEventSynchronize(guard));  // the rows' last reader has run
   const int64_t got = begin_decode_host(a, static_cast<int64_t*>(staging.data_ptr()), host_rows, host_pre, host_ext,
                                         true_new, live, h, n, offset, seen, prefix, step, reuse);
-  if (got >= 0) launch_stage(a, rows.device());
+  if (got >= 0) launch_stage(a, rows.device(), guard);
   return got;
 }
 

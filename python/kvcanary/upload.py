@@ -73,6 +73,14 @@ class Upload:
         # costs more host time than the launch; synchronizing one never recorded returns at once)
         self._copied = [torch.cuda.Event() for _ in range(2)] if state.device.type == "cuda" else []  # type: ignore[no-untyped-call]
         self._stream = CurrentStream(state.device.index or 0) if state.device.type == "cuda" else None
+        # the native CUDA begin_decode awaits and records a staging row's event itself (two CUDA calls, where torch's
+        # Event.synchronize and .record cost microseconds of Python each): the events' handles, created by a first
+        # record on the current stream
+        self._handles = [0, 0]
+        if self._stream is not None and self._stage.backend == "cuda":
+            for e in self._copied:
+                e.record(self._stream.get())
+            self._handles = [int(e.cuda_event) for e in self._copied]  # type: ignore[attr-defined]
         # (rows, tokens) of the static batch buffers that may hold a batch's values; everything past them is padding
         # (CanaryState allocates them so)
         self._dirty = (0, 0)
@@ -178,15 +186,16 @@ class Upload:
         staging row is waited for or taken."""
         bs, nt = host[0].shape[0], batch.input_ids.shape[0]
         k = self._index if bs > self._inline else None
-        if k is not None and self._copied:
+        event = 0 if k is None else self._handles[k]
+        if k is not None and self._copied and not event:
             self._copied[k].synchronize()
         got = self._stage.decode(src, self._index, *self._pads(bs, nt, shape), host, host_array(new), live,
-                                 self._row_state, self.chains.offset, step, reuse)
+                                 self._row_state, self.chains.offset, step, reuse, event)
         if got == BAD_VALUE:
             raise CanaryInputError(f"true tokens / positions must lie in [0, {TOKEN_LIMIT})")
         if got < 0:
             return False
-        self._staged(k, bs, nt, shape)
+        self._staged(k, bs, nt, shape, recorded=bool(event))
         return True
 
     def _stage_given(self, batch: BatchView, host: tuple[np.ndarray, ...],
@@ -231,13 +240,13 @@ class Upload:
         rows, tokens = self._dirty
         return max(bs, min(rows, shape[0])), max(nt, min(tokens, shape[1]))
 
-    def _staged(self, k: int | None, bs: int, nt: int, shape: tuple[int, int]) -> None:
+    def _staged(self, k: int | None, bs: int, nt: int, shape: tuple[int, int], recorded: bool = False) -> None:
         """After staging a ``bs`` x ``nt`` batch with staging row ``k`` (None: none, the launch carried its rows): the
-        row's event, the next row, what the static buffers may hold."""
+        row's event (``recorded``: by the native op), the next row, what the static buffers may hold."""
         if k is not None:
             self._index ^= 1
-            if self._stream is not None:  # the row is free again once this launch, which reads it in place, has run
-                self._copied[k].record(self._stream.get())
+            if self._stream is not None and not recorded:  # the row is free again once this launch, which reads it in
+                self._copied[k].record(self._stream.get())  # place, has run
         # past a bound shape, what the earlier batch left stays (reset once a later shape reaches it)
         r, t = self._dirty
         self._dirty = (bs if r <= shape[0] else r, nt if t <= shape[1] else t)

@@ -915,6 +915,10 @@ def _decode_case(rng: random.Random, inline: bool = False) -> dict[str, Any]:
             "reuse": np.array([rng.randint(0, 5000) for _ in rows], np.int64) if rng.random() < 0.5 else None}
 
 
+STEADY_SEED = 0  # a pinned-staging case that begin_decode stages (result >= 0)
+SLEEP_CYCLES = 50_000_000  # torch.cuda._sleep: tens of ms of GPU time, far longer than a begin_decode call
+
+
 def _run_decode(c: dict[str, Any], backend: str, dev: str, pinned: bool = True) -> tuple[int, list[torch.Tensor]]:
     """One begin_decode on copies of the case; returns its result and every buffer it may write, on the host."""
     staging = c["staging"].clone().pin_memory() if pinned else c["staging"].clone()
@@ -949,6 +953,34 @@ def test_begin_decode_inline_needs_no_pinned_staging() -> None:
     got = _run_decode(c, "cuda", CUDA, pinned=False)
     assert got[0] == want[0] and torch.equal(got[1][0], c["staging"])
     assert all(torch.equal(a, b) for a, b in zip(want[1][1:], got[1][1:], strict=True))
+
+
+@pytest.mark.parametrize("part", ["awaits", "records"])
+def test_begin_decode_awaits_and_records_its_staging_event(part: str) -> None:
+    """With an event (pinned staging: more than STAGE_INLINE_ROWS rows), the CUDA op waits for the event's last record
+    before it writes the staging rows (behind a long kernel, a marker recorded just before that record has completed
+    once the call returns), and records it again after the launch that reads them (with the long kernel queued after
+    the last record, the event is pending once the call returns). The results match the C++ CPU op's."""
+    c = _decode_case(random.Random(STEADY_SEED))
+    want = _run_decode(c, "cpu", "cpu")
+    staging, dst = c["staging"].clone().pin_memory(), [t.to(CUDA) for t in c["dst"]]
+    src = [t.to(CUDA) for t in c["src"]]
+    state = [c[k].copy() for k in ("h", "n", "seen", "prefix")]
+    guard, marker = torch.cuda.Event(), torch.cuda.Event()
+    if part == "records":
+        guard.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    if part == "awaits":  # the marker first: the guard's completion implies the marker's
+        marker.record()
+        guard.record()
+    got = begin_decode(src, staging, *dst, *c["pads"], 0, c["host"], c["new"], c["live"], state[0], state[1], 0,
+                       state[2], state[3], 7, backend="cuda", reuse=c["reuse"], event=guard.cuda_event)
+    pending = not (marker if part == "awaits" else guard).query()
+    torch.cuda.synchronize()
+    assert got == want[0] >= 0
+    assert pending == (part == "records")
+    assert all(torch.equal(a, b) for a, b in zip(want[1][1:], [*(t.cpu() for t in dst),
+                                                              *(torch.from_numpy(a) for a in state)], strict=True))
 
 
 def test_begin_decode_needs_pinned_staging_and_writes_nothing() -> None:

@@ -25,7 +25,7 @@ SRC_NAMES = ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "pos
 #       pad_rows, pad_tokens, padding_row)
 Stager = Callable[..., None]
 # begin_decode(the stage arguments, host_rows, host_pre, host_ext, true_new, live, h, n, offset, seen, prefix, step,
-#   reuse) -> int
+#   reuse, event) -> int
 Decoder = Callable[..., int]
 NOT_STEADY, BAD_VALUE = -1, -2  # begin_decode's results that stage nothing
 NO_REUSE = np.zeros(0, dtype=np.int64)  # begin_decode's reuse ends when there are none (every row's is 0)
@@ -87,19 +87,19 @@ class BatchStager:
 
     def decode(self, src: Sequence[torch.Tensor], k: int, pad_rows: int, pad_tokens: int, host: Sequence[np.ndarray],
                true_new: np.ndarray | torch.Tensor, live: np.ndarray, rows: tuple[object, ...], offset: int,
-               step: int, reuse: np.ndarray | None = None) -> int:
+               step: int, reuse: np.ndarray | None = None, event: int = 0) -> int:
         """:func:`begin_decode` with staging buffer ``k`` (``host``: the batch's rows, prefix and extend lengths;
-        ``rows``: :meth:`row_state`; ``reuse``: the reuse ends, None: none)."""
+        ``rows``: :meth:`row_state`; ``reuse``: the reuse ends, None: none; ``event``: the buffer's CUDA event)."""
         h, n, seen, prefix = rows
         return self._decode(*src, self._staging[k], *self._dst, pad_rows, pad_tokens, self.padding_row, *host, true_new,
-                            live, h, n, offset, seen, prefix, step, self._no_reuse if reuse is None else reuse)
+                            live, h, n, offset, seen, prefix, step, self._no_reuse if reuse is None else reuse, event)
 
 
 def begin_decode(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch.Tensor, truth: torch.Tensor,
                  tokens: torch.Tensor, pad_rows: int, pad_tokens: int, padding_row: int, host: Sequence[np.ndarray],
                  true_new: np.ndarray, live: np.ndarray, h: np.ndarray, n: np.ndarray, offset: int,
                  seen: np.ndarray, prefix: np.ndarray, step: int, backend: str = "torch",
-                 reuse: np.ndarray | None = None) -> int:
+                 reuse: np.ndarray | None = None, event: int = 0) -> int:
     """A steady batch's token truth and staging in one call (docs/ops-contract.md 8c): :func:`stage_batch`'s arguments,
     then ``host`` = (rows, prefix lengths, extend lengths) int64 [bs], ``true_new`` int64 [nt] (negative = unknown),
     ``live`` bool [bs], the rows' chain state ``h`` (u64 as int64) / ``n`` and their ``seen`` / ``prefix``, int64 [R],
@@ -108,10 +108,12 @@ def begin_decode(src: Sequence[torch.Tensor], staging: torch.Tensor, rows: torch
     live row's ``seen`` becomes ``step`` and its ``prefix`` its prefix length, the batch is staged (8b) and the count of
     live rows whose new tokens are not all known returned; else NOT_STEADY or BAD_VALUE with nothing written. Input
     errors (8b's, ``host``, ``live`` or ``reuse`` not of the batch's length, ``ext`` claiming more than nt tokens, row
-    state arrays of different lengths) raise CanaryInputError before anything is written."""
+    state arrays of different lengths, a non-zero ``event`` off the CUDA backend) raise CanaryInputError before
+    anything is written. ``event``: CUDA backend, a live ``cudaEvent_t`` of the buffers' device as an int (0: none)
+    guarding the pinned staging rows: awaited before they are written, recorded after the launch that reads them."""
     b = check_backend(backend, rows.device)
     args = (*src, staging, rows, truth, tokens, pad_rows, pad_tokens, padding_row, *host, true_new, live, h, n, offset,
-            seen, prefix, step, NO_REUSE if reuse is None else reuse)
+            seen, prefix, step, NO_REUSE if reuse is None else reuse, event)
     if b == "torch":
         return _begin_decode_checked(*args)
     try:
@@ -134,8 +136,11 @@ def _begin_decode_torch(req_pool_indices: torch.Tensor, prefix_lens: torch.Tenso
                         pad_rows: int, pad_tokens: int, padding_row: int, host_rows: np.ndarray, host_pre: np.ndarray,
                         host_ext: np.ndarray, true_new: np.ndarray | torch.Tensor, live: np.ndarray, h: np.ndarray,
                         n: np.ndarray, offset: int, seen: np.ndarray, prefix: np.ndarray, step: int,
-                        reuse: np.ndarray) -> int:
-    """The reference: one Python step per row and token (Python ints for the chain, the oracle of the C++ loop)."""
+                        reuse: np.ndarray, event: int) -> int:
+    """The reference: one Python step per row and token (Python ints for the chain, the oracle of the C++ loop);
+    ``event`` must be 0 (the CPU op's rule: an event guards the CUDA op's pinned staging)."""
+    if event != 0:
+        raise CanaryInputError("begin_decode: event must be 0 off the CUDA backend")
     bs, nt = int(req_pool_indices.shape[0]), int(input_ids.shape[0])
     tok = true_new.tolist() if isinstance(true_new, torch.Tensor) else np.asarray(true_new).tolist()
     r, p, e, lv = (np.asarray(v).tolist() for v in (host_rows, host_pre, host_ext, live))
