@@ -80,7 +80,7 @@ class Upload:
         if self._stream is not None and self._stage.backend == "cuda":
             for e in self._copied:
                 e.record(self._stream.get())
-            self._handles = [int(e.cuda_event) for e in self._copied]  # type: ignore[attr-defined]
+            self._handles = [int(e.cuda_event) for e in self._copied]
         # (rows, tokens) of the static batch buffers that may hold a batch's values; everything past them is padding
         # (CanaryState allocates them so)
         self._dirty = (0, 0)
@@ -257,13 +257,15 @@ class Upload:
         declines them, the slow path checks them). A batch of the last one's rows and ids, with no row changed hands
         since, gets the last answer: a decode stream's batches repeat, and the compares cost microseconds at bs 256."""
         key, last = rows.tobytes(), self._last_held
+        if not isinstance(ids, list):  # a list compare only: a tuple never equals a list, an array compares by element
+            ids = list(ids)
         if last is not None and last[0] == self.requests.version and last[1] == key and last[2] == ids:
             return last[2], last[3]
         try:
             held = self.requests.owner[rows].tolist()
         except IndexError:
             return None
-        if held != (ids if isinstance(ids, list) else list(ids)):
+        if held != ids:
             return None
         live = rows != self.pool.padding_row
         if None in held:  # a C-level scan: np.not_equal on an object array costs far more

@@ -337,12 +337,19 @@ def test_a_capture_leaves_the_rows_chains_where_they_were() -> None:
 _KEYS = st.sampled_from(["a", "b", "c", None])
 
 
+def _object_array(keys: list[Any]) -> np.ndarray:
+    return np.array(keys + [()], dtype=object)[:-1]  # 1-D whatever the keys are
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["held", "held", "claim", "drop"]),
-                          st.lists(st.tuples(st.integers(0, 3), _KEYS), min_size=1, max_size=3)), max_size=14))
-def test_held_answers_match_the_owners_after_every_claim_and_drop(ops: list[tuple[str, list[tuple[int, Any]]]]) -> None:
+                          st.lists(st.tuples(st.integers(0, 3), _KEYS), min_size=1, max_size=3)), max_size=14),
+       st.sampled_from([list, tuple, _object_array]))
+def test_held_answers_match_the_owners_after_every_claim_and_drop(ops: list[tuple[str, list[tuple[int, Any]]]],
+                                                                  container: Any) -> None:
     """Upload._held reuses its last answer for a batch of the same rows and ids: after any claim or drop in between it
-    still answers what the rows' owners say now (the ids as held and the live mask, or None)."""
+    still answers what the rows' owners say now (the ids as held and the live mask, or None), whether the engine's ids
+    come as a list, a tuple or an object array."""
     _, m = setup(n_reqs=0)
     up, req = m.upload, m.upload.requests
     pad = m.pool.padding_row
@@ -357,7 +364,7 @@ def test_held_answers_match_the_owners_after_every_claim_and_drop(ops: list[tupl
         # the last batch queried first (its answer is the one kept), then this one twice (the second reuses it)
         for b in ([last] if last else []) + [batch, batch]:
             rows, keys = np.array([r for r, _ in b], np.int64), [k for _, k in b]
-            got = up._held(rows, list(keys))
+            got = up._held(rows, container(keys))
             if req.owner[rows].tolist() != keys:
                 assert got is None
                 continue
