@@ -206,17 +206,25 @@ def bench_case(bs: int, prefix: int, backend: str, device: torch.device, iters: 
             "violations": violations, "last_window_total": None if rep is None else rep.total}
 
 
-def bench_replay(bs: int, prefix: int, backend: str, device: torch.device, iters: int,
-                 config: str = "default", req_capacity: int = 0) -> dict[str, Any]:
-    """CUDA: pre/post captured in graphs once, then the median host time of begin(kind=replay) + end per decode, and
-    the GPU time of the two replayed graphs (events around them: the canary's device work of one captured forward)."""
-    w = Workload(bs, prefix, iters + 4, device)
-    m = install(w.pool(), make_config(config, backend, bs, prefix, req_capacity))
-    for b in (w.batch(prefix), w.batch(1)):  # prefill and a warm-up decode, eager
+def warmed(bs: int, prefix: int, steps: int, device: torch.device,
+           config: CanaryConfig) -> tuple[Workload, CanaryManager]:
+    """A workload of ``steps`` decodes and a manager installed with ``config`` that has run its prefill and one decode,
+    eager."""
+    w = Workload(bs, prefix, steps, device)
+    m = install(w.pool(), config)
+    for b in (w.batch(prefix), w.batch(1)):
         m.begin_forward(b)
         m.pre_forward()
         m.post_forward()
         m.end_forward()
+    return w, m
+
+
+def bench_replay(bs: int, prefix: int, backend: str, device: torch.device, iters: int,
+                 config: str = "default", req_capacity: int = 0) -> dict[str, Any]:
+    """CUDA: pre/post captured in graphs once, then the median host time of begin(kind=replay) + end per decode, and
+    the GPU time of the two replayed graphs (events around them: the canary's device work of one captured forward)."""
+    w, m = warmed(bs, prefix, iters + 4, device, make_config(config, backend, bs, prefix, req_capacity))
     pre_g, post_g, side = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     cap = w.batch(1)

@@ -8,24 +8,13 @@ import sys
 import time
 
 import torch
-from kvcanary.manager import CanaryManager, install
+from kvcanary.manager import CanaryManager
 from kvcanary.report import StepBatch
 from kvcanary.upload import _sources, host_array
 
-from bench.bench_runtime import Workload, _gc_off, make_config
+from bench.bench_runtime import _gc_off, make_config, warmed
 
 DEV = torch.device(sys.argv[3] if len(sys.argv) > 3 else "cuda")
-
-
-def make(bs: int, iters: int) -> tuple[Workload, CanaryManager]:
-    w = Workload(bs, 64, iters + 8, DEV)
-    m = install(w.pool(), make_config("default", DEV.type, bs, 64))
-    for b in (w.batch(64), w.batch(1)):
-        m.begin_forward(b)
-        m.pre_forward()
-        m.post_forward()
-        m.end_forward()
-    return w, m
 
 
 def floor(m: CanaryManager, b, step: int) -> None:  # type: ignore[no-untyped-def]
@@ -47,7 +36,7 @@ def floor(m: CanaryManager, b, step: int) -> None:  # type: ignore[no-untyped-de
 def main() -> None:
     iters = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
     for bs in (int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "1,64,256").split(",")):
-        (wm, m), (wf, f) = make(bs, iters), make(bs, iters)
+        (wm, m), (wf, f) = [warmed(bs, 64, iters + 8, DEV, make_config("default", DEV.type, bs, 64)) for _ in range(2)]
         begin, low = [], []
         with _gc_off():
             for i in range(iters):

@@ -11,10 +11,9 @@ from collections.abc import Callable
 
 import torch
 from kvcanary import _native
-from kvcanary.manager import install
 from kvcanary.upload import _sources, host_array, host_i64
 
-from bench.bench_runtime import Workload, make_config
+from bench.bench_runtime import make_config, warmed
 
 DEV = torch.device(sys.argv[3] if len(sys.argv) > 3 else "cuda")
 
@@ -30,13 +29,7 @@ Call = tuple[Callable[[], object], Callable[[], object] | None]  # (the timed ca
 def case(bs: int) -> dict[str, Call]:
     """The calls of a steady bs-row decode on a fresh manager: begin_decode (its rows' chains restored first) and
     stage_batch from a pinned staging row."""
-    w = Workload(bs, 64, 8, DEV)
-    m = install(w.pool(), make_config("default", DEV.type, bs, 64))
-    for b in (w.batch(64), w.batch(1)):
-        m.begin_forward(b)
-        m.pre_forward()
-        m.post_forward()
-        m.end_forward()
+    w, m = warmed(bs, 64, 8, DEV, make_config("default", DEV.type, bs, 64))
     b = w.batch(1)
     up = m.upload
     src = _sources(b)
