@@ -26,8 +26,8 @@ from kvcanary.ops.types import is_power_of_two
 
 ENV_PREFIX = "KVCANARY_"
 # Clean windows are cheap to skip and a violation never waits for one (docs/defaults.md): a skipped launch or a graph
-# without the canary ops shows within this many forwards. Each clean window costs 100-200 µs of host time on the H100
-# hosts (host_session17): 64 keeps that under 4 µs per forward.
+# without the canary ops shows within this many forwards. Each clean window costs 150-300 µs of host time on the GPU
+# hosts (host_session18): 64 keeps that near 4 µs per forward.
 DEFAULT_REPORT_INTERVAL = 64
 
 
