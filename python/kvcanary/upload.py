@@ -245,8 +245,9 @@ class Upload:
         row's event (``recorded``: by the native op), the next row, what the static buffers may hold."""
         if k is not None:
             self._index ^= 1
-            if self._stream is not None and not recorded:  # the row is free again once this launch, which reads it in
-                self._copied[k].record(self._stream.get())  # place, has run
+            # the row is free again once this launch, which reads it in place, has run
+            if self._stream is not None and not recorded:
+                self._copied[k].record(self._stream.get())
         # past a bound shape, what the earlier batch left stays (reset once a later shape reaches it)
         r, t = self._dirty
         self._dirty = (bs if r <= shape[0] else r, nt if t <= shape[1] else t)
