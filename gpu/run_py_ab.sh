@@ -9,6 +9,7 @@
 # unpinned). Usage: [ROUNDS=0] [ENGINE_ROUNDS=4] [BS=1,64,256] [TESTS=...] [PIN=...] bash gpu/run_py_ab.sh
 set -o pipefail
 OUT=${OUT:-/tmp/out}
+rm -rf /tmp/rounds  # a warm machine keeps an earlier call's rounds: summarize only this call's
 mkdir -p "$OUT" /tmp/rounds
 side() {  # side A|B: that side's sources, each with its own JIT cache
   local root=$PWD
