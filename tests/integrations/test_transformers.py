@@ -20,12 +20,15 @@ from hf_util import (  # skips the module without transformers 5.23.0
     tiny_qwen3,
     wrap_instance,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvcanary.config import CanaryConfig
 from kvcanary.errors import CanaryInputError
 from kvcanary.integrations import transformers as kt
 from kvcanary.ops.slot_rows import slot_rows
 from kvcanary.report import CanaryViolationError, Violation
-from kvcanary_schema import FailReason, Group, Half, LaunchTag, Stage
+from kvcanary.truth import new_token_truth
+from kvcanary_schema import NO_SLOT, FailReason, Group, Half, LaunchTag, Stage
 
 VERIFY_ANY = FailReason.VERIFY_CHAIN | FailReason.VERIFY_POSITION | FailReason.VERIFY_TOKEN
 WRAPPED_NAMES = ("_generation_step", "prepare_batch_tensors", "update", "allocate_cache_to_request", "free_blocks",
@@ -429,14 +432,14 @@ def test_raise_surfaces_from_generate_batch(llama: Any, prompts: list[list[int]]
     orig_view = kt.HFPoolAdapter.batch_view
     calls = [0]
 
-    def corrupt_view(self: kt.HFPoolAdapter, io: Any, reqs: Any) -> Any:
+    def corrupt_view(self: kt.HFPoolAdapter, io: Any, scheduled: Any) -> Any:
         calls[0] += 1
         if calls[0] == 3:  # a decode step: damage the newest record of request 0 through the slot table
             alloc = self.alloc
-            rid = reqs[0].request_id
+            rid = scheduled.ids[0]
             slot = alloc.block_table[rid][0] * alloc.block_physical_stride + 1
             alloc._kv_token_views[0][0][slot].zero_()
-        return orig_view(self, io, reqs)
+        return orig_view(self, io, scheduled)
 
     monkeypatch.setattr(kt.HFPoolAdapter, "batch_view", corrupt_view)
     with kt.install(llama, raise_config()) as handle:
@@ -548,6 +551,98 @@ def test_history_sequence() -> None:
     h = kt._History([1, 2, 3], [4, 5])
     assert len(h) == 5 and list(h) == [1, 2, 3, 4, 5] and h[-1] == 5 and h[3] == 4
     assert h[1:4] == [2, 3, 4] and h[0:2] == [1, 2] and h[3:5] == [4, 5] and h[::2] == [1, 3, 5] and h[4:2] == []
+
+
+class _State:
+    """The two token lists of a transformers RequestState that the batch view reads."""
+
+    def __init__(self, prompt: list[int], generated: list[int]) -> None:
+        self.initial_tokens, self.generated_tokens = prompt, generated
+
+
+_tokens = st.lists(st.integers(0, 255), max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_tokens, _tokens, st.integers(0, 14), st.integers(0, 3)), max_size=5), st.booleans(),
+       st.integers(0, 3))
+def test_batch_new_tokens_match_the_fold_of_plain_histories(reqs: list[tuple[list[int], list[int], int, int]],
+                                                             decode: bool, spare: int) -> None:
+    """_Batch.new_tokens (a decode batch read from the states' lists, else the fold over lazy histories) equals
+    new_token_truth over plain prompt + generated lists, positions past a history's end included."""
+    ext = [1 if decode else e for *_, e in reqs]
+    states = [_State(p, g) for p, g, _, _ in reqs]
+    batch = kt._Batch([f"r{i}" for i in range(len(reqs))], states, [q for _, _, q, _ in reqs], ext)
+    n = sum(ext) + spare
+    want = new_token_truth([p + g for p, g, _, _ in reqs], batch.pre, ext, n)
+    assert batch.new_tokens(n).tolist() == want.tolist()
+    hist = kt._Histories(states)
+    assert len(hist) == len(reqs) and [list(h) for h in hist] == [p + g for p, g, _, _ in reqs]
+    assert [list(h) for h in hist[1:]] == [p + g for p, g, _, _ in reqs[1:]]
+
+
+def test_export_holds_the_ledgers_chains(llama: Any, prompts: list[list[int]]) -> None:
+    """The sweep's export is every chain the ledger holds, found independently of the integration's records: each
+    request's blocks by walking its tokens through transformers' own block hashes (first position and parent from the
+    walk), unlocked exactly where cached. A hash dropped where no wrapper sees it (the ledger edited directly) takes its
+    block and the chains that follow it out of the export."""
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
+
+    tokens: dict[str, list[int]] = {}  # per request, the tokens of its last block completion
+
+    def inject(proc: Any) -> None:
+        def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def mark(request_id: str, token_ids: list[int], new_new_blocks: int) -> Any:
+                tokens[request_id] = list(token_ids)
+                return orig(request_id, token_ids, new_new_blocks)
+            return mark
+        wrap_instance(full_alloc(proc), "mark_complete_blocks", make)
+
+    def walked(ledger: Any) -> dict[int, tuple[int, int]]:
+        want: dict[int, tuple[int, int]] = {}
+        for toks in tokens.values():
+            h, prev = None, -1
+            for i in range(len(toks) // PAGE):
+                h = compute_block_hash(h, toks[i * PAGE:(i + 1) * PAGE])
+                b = ledger.hash_to_block.get(h)
+                if b is None:
+                    break
+                want[b], prev = (i * PAGE, prev), b
+        return want
+
+    def exported(ad: kt.HFPoolAdapter) -> tuple[dict[int, tuple[int, int]], dict[int, bool]]:
+        e = ad.prefix_cache_export()
+        assert e is not None and e.unlocked is not None
+        slots, unlocked = e.slots.tolist(), e.unlocked.tolist()
+        got, unl = {}, {}
+        for c, (s0, n, first, prev) in enumerate(zip(e.starts.tolist(), e.lens.tolist(), e.first_positions.tolist(),
+                                                     e.prev_slots.tolist(), strict=True)):
+            b = slots[s0] // PAGE
+            assert n == PAGE and slots[s0:s0 + n] == list(range(b * PAGE, (b + 1) * PAGE))
+            assert prev == NO_SLOT or prev % PAGE == PAGE - 1
+            got[b], unl[b] = (first, -1 if prev == NO_SLOT else prev // PAGE), unlocked[c]
+        return got, unl
+
+    sizes: list[int] = []
+
+    def check(mgr: Any, i: int) -> None:
+        (session,) = [s for s in handle.iter_sessions() if s.proc is mgr.batch_processor]
+        ad, ledger = session.adapter, session.adapter.alloc.ledger
+        got, unl = exported(ad)
+        want = walked(ledger)
+        assert got == want and unl == {b: b in ledger.cached_blocks for b in got}
+        sizes.append(len(got))
+        if i == len(prompts) - 1:
+            b = next(b for b, (first, _) in want.items() if first == PAGE)  # a block with a parent and a child
+            ledger.hash_to_block.pop(ledger.block_to_hash.pop(b))
+            ad.touch()
+            after, _ = exported(ad)
+            assert b not in after and not any(parent == b for _, parent in after.values())
+            assert after.items() <= want.items() and len(after) < len(want) - 1
+
+    with kt.install(llama, raise_config()) as handle:
+        run_manager(llama, prompts, sequential=True, between=check, inject=inject, max_new_tokens=4)
+    assert len(sizes) == len(prompts) and sizes[0] > 0 and sizes[-1] > sizes[0]
 
 
 def test_dense_slots(llama: Any) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import numpy as np
 import torch
@@ -133,14 +133,63 @@ class _History(Sequence[int]):
         return self._a[k] if k < na else self._b[k - na]
 
 
-@dataclass(frozen=True)
-class _Req:
-    """One request of a batch as prepare_batch_tensors found it (before it advanced the request)."""
+class _Histories(Sequence[Sequence[int]]):
+    """The batch's true tokens: each request's :class:`_History`, made when asked for (a steady forward asks for
+    none)."""
 
-    request_id: str
-    state: Any  # transformers RequestState
-    prefix_len: int
-    extend_len: int
+    __slots__ = ("_states",)
+
+    def __init__(self, states: Sequence[Any]) -> None:
+        self._states = states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    @overload
+    def __getitem__(self, i: int) -> Sequence[int]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Sequence[int]]: ...
+
+    def __getitem__(self, i: int | slice) -> Sequence[int] | Sequence[Sequence[int]]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        s = self._states[i]
+        return _History(s.initial_tokens, s.generated_tokens)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A batch as prepare_batch_tensors found it (before it advanced the requests), as parallel lists: ids, transformers
+    RequestStates, prefix lengths (the requests' position offsets) and extend lengths (their query lengths)."""
+
+    ids: list[str]
+    states: list[Any]
+    pre: list[int]
+    ext: list[int]
+
+    @classmethod
+    def of(cls, scheduled: Sequence[Any]) -> _Batch:
+        """The batch of prepare_batch_tensors' ``requests_in_batch`` (FutureRequestStates)."""
+        states = [fs.state for fs in scheduled]
+        return cls([s.request_id for s in states], states, list(map(int, (s.position_offset for s in states))),
+                   list(map(int, (fs.query_length for fs in scheduled))))
+
+    def new_tokens(self, n: int) -> np.ndarray:
+        """BatchView.true_new_tokens (:func:`~kvcanary.truth.new_token_truth` of the histories): a decode batch's one
+        token per request is read from its state's lists, no history made."""
+        if self.ext.count(1) != len(self.ext) or len(self.ext) > n:  # not one new token per request: the general fold
+            return new_token_truth(_Histories(self.states), self.pre, self.ext, n)
+        out = np.full(n, -1, dtype=np.int64)
+        out[:len(self.ext)] = [_token_at(s.initial_tokens, s.generated_tokens, p)
+                               for s, p in zip(self.states, self.pre, strict=True)]
+        return out
+
+
+def _token_at(prompt: Sequence[int], generated: Sequence[int], p: int) -> int:
+    """The true token at position ``p`` >= 0 of a request (its prompt, then its generated tokens); -1 past their end."""
+    k = p - len(prompt)
+    return prompt[p] if k < 0 else generated[k] if k < len(generated) else -1
 
 
 class HFPoolAdapter:
@@ -183,7 +232,13 @@ class HFPoolAdapter:
         self.req_to_token = torch.full((self.req_rows, self.max_context), NO_SLOT, dtype=dtype, device=self.device)
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(self.req_rows - 1, -1, -1))
-        self._hashed: dict[int, tuple[int, int, int]] = {}  # block -> (content hash, first position, parent or -1)
+        # the hashed blocks recorded (the ledger keeps neither positions nor parents): per block its content hash, and
+        # by block id its first position, its parent (-1: none) and whether it is recorded, so the export is built
+        # with array operations
+        self._hashes: dict[int, int] = {}
+        self._first = np.zeros(self.total_blocks, dtype=np.int64)
+        self._parent = np.full(self.total_blocks, -1, dtype=np.int64)
+        self._recorded = np.zeros(self.total_blocks, dtype=bool)
         self._hashed_upto: dict[str, int] = {}  # request -> leading blocks of its table already recorded
         # the export of the last sweep and what it was built from: the block lifecycle calls touch(), so an unchanged
         # cache hands the sweep the same (immutable) export object again
@@ -241,35 +296,35 @@ class HFPoolAdapter:
 
     # ------------------------------------------------------------------ batch view
 
-    def batch_view(self, io: Any, reqs: Sequence[_Req]) -> BatchView:
+    def batch_view(self, io: Any, batch: _Batch) -> BatchView:
         """The forward's batch view: the slot table is what the attention reads (``read_index``), the write slots
         what it writes (``write_index``), both converted to dense slots. The rows are rebuilt from the read index every
         forward, so the canary verifies exactly what the attention reads: the row facts in one copy, then one
         ``slot_rows`` call (docs/ops-contract.md 12) fills the rows and converts the write slots."""
-        ids = [r.request_id for r in reqs]
-        rows = [self.row(i) for i in ids]
-        pre = [r.prefix_len for r in reqs]
-        ext = [r.extend_len for r in reqs]
-        bs, n = len(reqs), int(io.total_seqlen_q)
-        kv = np.add(pre, ext, dtype=np.int64)
+        ids, pre, ext = batch.ids, batch.pre, batch.ext
+        known = list(map(self._rows.get, ids))
+        # a request seen for the first time gets its row
+        rows = [self.row(i) for i in ids] if None in known else cast(list[int], known)
+        bs, n = len(ids), int(io.total_seqlen_q)
+        facts = np.array((rows, pre, ext), dtype=np.int64).reshape(3, bs)
+        kv = facts[1] + facts[2]
         if bs and int(kv.max()) > self.max_context:  # the plan would skip it: its blocks would never get records
             i = int(kv.argmax())
             raise CanaryInputError(f"request {ids[i]!r} reaches {int(kv[i])} positions, past the slot table's "
                                    f"max_context={self.max_context} (the model's max_position_embeddings unless "
                                    "install(..., max_context=N))")
         total = int(kv.sum())
-        meta = torch.from_numpy(np.concatenate([rows, pre, ext, kv, np.cumsum(kv) - kv])).to(self.device)
+        meta = torch.from_numpy(np.concatenate((facts.reshape(-1), kv, np.cumsum(kv) - kv))).to(self.device)
         write = io.write_index_storage[0, :n]
         out = torch.empty(n, dtype=torch.int64, device=self.device)
-        src = self._read_slots(io, reqs, total, n) if total else write[:0]
+        src = self._read_slots(io, batch, total, n) if total else write[:0]
         slot_rows(self.req_to_token, meta[:bs], meta[4 * bs:], meta[3 * bs:4 * bs], src, out, write, self.stride,
                   self.page, self.backend)
-        truth = [_History(r.state.initial_tokens, r.state.generated_tokens) for r in reqs]
         return BatchView(meta[:bs], meta[bs:2 * bs], meta[2 * bs:3 * bs], self.req_to_token, io.input_ids[:n],
-                         io.position_ids[:n], out, ids, rows, pre, ext, truth,
-                         true_new_tokens=new_token_truth(truth, pre, ext, n))
+                         io.position_ids[:n], out, ids, rows, pre, ext, _Histories(batch.states),
+                         true_new_tokens=batch.new_tokens(n))
 
-    def _read_slots(self, io: Any, reqs: Sequence[_Req], total: int, n: int) -> torch.Tensor:
+    def _read_slots(self, io: Any, batch: _Batch, total: int, n: int) -> torch.Tensor:
         """Sparse slots of positions 0..prefix+extend-1 of every request, in batch order (what the attention reads)."""
         if int(io.true_read_sizes[0]) == total:
             return io.read_index_storage[0, :total]  # type: ignore[no-any-return]
@@ -279,7 +334,8 @@ class HFPoolAdapter:
             self._warned_fallback = True
             logger.warning("kvcanary: read index of %d slots for %d positions; rebuilding the slot table from the "
                            "block tables", int(io.true_read_sizes[0]), total)
-        flat = [s for r in reqs for s in self.alloc.get_read_indices(r.request_id, r.prefix_len, r.extend_len)]
+        flat = [s for i, p, e in zip(batch.ids, batch.pre, batch.ext, strict=True)
+                for s in self.alloc.get_read_indices(i, p, e)]
         return torch.tensor(flat, dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------ prefix cache (sweep)
@@ -295,16 +351,20 @@ class HFPoolAdapter:
             h = b2h.get(bt[i])
             if h is None:
                 break
-            if self._hashed.get(bt[i], (None, 0, 0))[0] != h:
-                self._hashed[bt[i]] = (h, i * self.page, bt[i - 1] if i else -1)
+            b = bt[i]
+            if self._hashes.get(b) != h:
+                self._hashes[b] = h
+                self._first[b], self._parent[b], self._recorded[b] = i * self.page, bt[i - 1] if i else -1, True
             i += 1
         self._hashed_upto[request_id] = i
 
     def forget_hashes(self) -> None:
         """Drop every recorded block whose hash the ledger no longer holds."""
         b2h = self.alloc.ledger.block_to_hash
-        for b in [b for b, (h, _, _) in self._hashed.items() if b2h.get(b) != h]:
-            del self._hashed[b]
+        gone = [b for b, h in self._hashes.items() if b2h.get(b) != h]
+        for b in gone:
+            del self._hashes[b]
+        self._recorded[gone] = False
 
     def touch(self) -> None:
         """The block lifecycle changed something the export holds (hashes, cached blocks, block tables)."""
@@ -320,15 +380,22 @@ class HFPoolAdapter:
         return self._export[1]
 
     def _build_export(self) -> PrefixCacheExport:
-        """The hashed blocks whose parent is hashed too, built on the host and moved in one copy (no stream sync)."""
-        self.forget_hashes()
-        valid = self._hashed
-        chains = [(b, fp, par) for b, (_, fp, par) in valid.items() if par < 0 or par in valid]
-        cached = self.alloc.ledger.cached_blocks
-        n = len(chains)
-        blocks, first, parents = np.array(chains, dtype=np.int64).reshape(n, 3).T
-        unlocked = np.fromiter((b in cached for b in blocks.tolist()), dtype=bool, count=n)
-        return export_of_blocks(blocks, first, parents, self.page, unlocked, self.device)
+        """The hashed blocks whose parent is hashed too, in block order, built on the host and moved in one copy (no
+        stream sync)."""
+        ledger = self.alloc.ledger
+        # the ledger drops hashes only where the wrappers forget them (eviction, reset, a no-cache free), and every
+        # hash it registers is recorded: a count that differs means a path this integration does not see
+        if len(self._hashes) != len(ledger.block_to_hash):
+            self.forget_hashes()
+        rec = self._recorded
+        blocks = np.flatnonzero(rec)
+        parents = self._parent[blocks]
+        keep = (parents < 0) | rec[np.maximum(parents, 0)]
+        blocks, parents = blocks[keep], parents[keep]
+        unlocked = np.zeros(rec.shape[0], dtype=bool)
+        if ledger.cached_blocks:
+            unlocked[np.fromiter(ledger.cached_blocks, dtype=np.int64, count=len(ledger.cached_blocks))] = True
+        return export_of_blocks(blocks, self._first[blocks], parents, self.page, unlocked[blocks], self.device)
 
     def copy_records(self, canary: CanaryManager, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> None:
         """A fork copied whole blocks: copy their canary records along."""
@@ -356,7 +423,7 @@ class _Session:
         self.canary: CanaryManager = install_manager(self.adapter, handle.config,
                                                      sinks=[handle._on_report, *handle.sinks])
         self.graphs = any(hf_manager.continuous_batching_config.cuda_graph_booleans)
-        self.pending: list[_Req] | None = None
+        self.pending: _Batch | None = None
         self.in_forward = False
         self.disabled = False  # LOG mode, after an internal failure
         self.hf_failed = self.ran_hf = False
@@ -382,24 +449,22 @@ class _Session:
 
     def _wrap_prepare(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def prepare_batch_tensors(*args: Any, **kwargs: Any) -> Any:
-            batch = kwargs["requests_in_batch"] if "requests_in_batch" in kwargs else args[0]
-            reqs = [_Req(fs.state.request_id, fs.state, int(fs.state.position_offset), int(fs.query_length))
-                    for fs in batch]
+            batch = _Batch.of(kwargs["requests_in_batch"] if "requests_in_batch" in kwargs else args[0])
             out = orig(*args, **kwargs)
             # warmup batches (graphs/compile) run fake requests outside the generation step; a reset follows them
-            self.pending = None if any(r.request_id.startswith("__warmup_") for r in reqs) else reqs
+            self.pending = None if any(i.startswith("__warmup_") for i in batch.ids) else batch
             return out
         return prepare_batch_tensors
 
     def _wrap_step(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def _generation_step(model: Any) -> Any:
-            reqs, self.pending = self.pending, None
-            if not reqs or self.disabled:
+            scheduled, self.pending = self.pending, None
+            if scheduled is None or not scheduled.ids or self.disabled:
                 self.stats["unbracketed_steps"] += 1
                 return orig(model)
             self.hf_failed = self.ran_hf = False
             try:
-                return self._bracket(orig, model, reqs)
+                return self._bracket(orig, model, scheduled)
             except Exception as e:
                 if self.hf_failed:  # transformers' own step failed: its loop reports that
                     raise
@@ -417,7 +482,7 @@ class _Session:
                 return None if self.ran_hf else orig(model)
         return _generation_step
 
-    def _bracket(self, orig: Callable[..., Any], model: Any, reqs: list[_Req]) -> Any:
+    def _bracket(self, orig: Callable[..., Any], model: Any, scheduled: _Batch) -> Any:
         io = self.proc.inputs_and_outputs
         if io.use_block_table:
             raise TransformersIntegrationError("the block-table (flash) decode path writes KV inside its kernel; "
@@ -429,7 +494,7 @@ class _Session:
             ctx = torch.cuda.stream(cs)
         t0 = time.perf_counter()
         with ctx:
-            batch = self.adapter.batch_view(io, reqs)
+            batch = self.adapter.batch_view(io, scheduled)
             with self.canary.forward(batch):
                 self.canary.pre_forward()
                 self.in_forward, self.layer_writes, self.stray_writes = True, 0, 0
@@ -495,6 +560,8 @@ class _Session:
         def free_blocks(request_id: str, no_cache: bool = False) -> Any:
             out = orig(request_id, no_cache)
             self.adapter.touch()
+            if no_cache:  # its hashed blocks went back to the pool and lost their hashes
+                self.adapter.forget_hashes()
             if self.adapter.release(request_id):
                 self.canary.release(request_id)
                 self.stats["requests_released"] += 1
