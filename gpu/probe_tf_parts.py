@@ -2,7 +2,8 @@
 of a random Llama): the adapter's batch view, begin_forward, pre_forward, post_forward, end_forward, each timed
 around its call (no sync: host time; SYNC=1: the device synchronized before each, untimed, so a part's time is its own
 work, not a wait for earlier queued work). Usage: [SYNC=1] python3 gpu/probe_tf_parts.py [cuda|cpu] [1b|tiny] [batch]
-[prompt]."""
+[prompt]. Each part is reported separately for the decode steps (the benchmark's) and the mixed ones (prefill
+chunks)."""
 
 import os
 import statistics
@@ -19,7 +20,30 @@ from bench.call_times import time_calls
 device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 cfg = LLAMA_1B if (sys.argv[2] if len(sys.argv) > 2 else "1b") == "1b" else LLAMA_TINY
 batch, prompt = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (32, 1024)
-times: dict[str, list[float]] = {}
+
+
+class StepParts(dict[str, list[float]]):
+    """The parts' times, split by the kind of generation step they ran in: ``decode`` (one new token per request, the
+    steps the benchmark times) or ``mixed`` (prefill chunks with them). The batch view, the step's first part, sets the
+    kind."""
+
+    kind = "mixed"
+
+    def setdefault(self, name: str, default: list[float] | None = None) -> list[float]:  # type: ignore[override]
+        return super().setdefault(f"{name} [{self.kind}]", [] if default is None else default)
+
+
+times = StepParts()
+view = kt.HFPoolAdapter.batch_view
+
+
+def kind_view(self, io, batch):  # type: ignore[no-untyped-def]
+    bv = view(self, io, batch)
+    times.kind = "decode" if bv.num_tokens == bv.batch_size else "mixed"
+    return bv
+
+
+kt.HFPoolAdapter.batch_view = kind_view  # type: ignore[method-assign]
 sync = torch.cuda.synchronize if os.environ.get("SYNC") == "1" and device == "cuda" else None
 for owner, name in ((kt.HFPoolAdapter, "batch_view"), (mg.CanaryManager, "begin_forward"),
                     (mg.CanaryManager, "pre_forward"), (mg.CanaryManager, "post_forward"),
@@ -33,11 +57,11 @@ with StepTimer(device) as timer:
         times.clear()
         handle = kt.install(model, CanaryConfig(mode="raise"))
         try:
-            decode, _ = run_once(model, ps, 17, timer)
+            decode, _ = run_once(model, ps, 33, timer)
         finally:
             handle.uninstall()
 print(f"{device} batch {batch} prompt {prompt}: decode step median {1e3 * statistics.median(decode):.2f} ms, "
       f"bracket host {1e-3 * handle.stats['bracket_us'] / handle.stats['forwards']:.3f} ms per step")
-for name, ts in times.items():
+for name, ts in sorted(times.items(), key=lambda kv: kv[0].endswith("[mixed]")):
     med, mean = 1e6 * statistics.median(ts), 1e6 * statistics.mean(ts)
-    print(f"  {name:14s} n={len(ts):4d} median {med:8.1f} us  mean {mean:8.1f} us")
+    print(f"  {name:22s} n={len(ts):4d} median {med:8.1f} us  mean {mean:8.1f} us")

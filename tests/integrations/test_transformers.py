@@ -31,7 +31,7 @@ from kvcanary.truth import new_token_truth
 from kvcanary_schema import NO_SLOT, FailReason, Group, Half, LaunchTag, Stage
 
 VERIFY_ANY = FailReason.VERIFY_CHAIN | FailReason.VERIFY_POSITION | FailReason.VERIFY_TOKEN
-WRAPPED_NAMES = ("_generation_step", "prepare_batch_tensors", "update", "allocate_cache_to_request", "free_blocks",
+WRAPPED_NAMES = ("_generation_step", "prepare_batch_tensors", "update", "free_blocks",
                  "mark_complete_blocks", "copy_blocks", "search_prefix_match", "evict_cached_blocks", "reset",
                  "_create_batch_processor", "get_result", "stop", "init_continuous_batching", "generate_batch")
 

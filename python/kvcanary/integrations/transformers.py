@@ -39,7 +39,7 @@ _REQUIRED = (
     ("input_outputs", "ContinuousBatchingIOs", ("prepare_batch_tensors",)),
     ("cache", "PagedAttentionCache", ("search_prefix_match", "evict_cached_blocks", "reset")),
     ("cache_allocators.full_attention", "FullAttentionCacheAllocator",
-     ("update", "allocate_cache_to_request", "free_blocks", "mark_complete_blocks", "copy_blocks", "get_read_indices")),
+     ("update", "free_blocks", "mark_complete_blocks", "copy_blocks", "get_read_indices")),
 )
 
 
@@ -315,14 +315,14 @@ class HFPoolAdapter:
                                    "install(..., max_context=N))")
         total = int(kv.sum())
         meta = torch.from_numpy(np.concatenate((facts.reshape(-1), kv, np.cumsum(kv) - kv))).to(self.device)
+        dev_rows, dev_pre, dev_ext, dev_kv, dev_starts = meta.view(5, bs).unbind()
         write = io.write_index_storage[0, :n]
         out = torch.empty(n, dtype=torch.int64, device=self.device)
         src = self._read_slots(io, batch, total, n) if total else write[:0]
-        slot_rows(self.req_to_token, meta[:bs], meta[4 * bs:], meta[3 * bs:4 * bs], src, out, write, self.stride,
-                  self.page, self.backend)
-        return BatchView(meta[:bs], meta[bs:2 * bs], meta[2 * bs:3 * bs], self.req_to_token, io.input_ids[:n],
-                         io.position_ids[:n], out, ids, rows, pre, ext, _Histories(batch.states),
-                         true_new_tokens=batch.new_tokens(n))
+        slot_rows(self.req_to_token, dev_rows, dev_starts, dev_kv, src, out, write, self.stride, self.page,
+                  self.backend)
+        return BatchView(dev_rows, dev_pre, dev_ext, self.req_to_token, io.input_ids[:n], io.position_ids[:n], out,
+                         ids, rows, pre, ext, _Histories(batch.states), true_new_tokens=batch.new_tokens(n))
 
     def _read_slots(self, io: Any, batch: _Batch, total: int, n: int) -> torch.Tensor:
         """Sparse slots of positions 0..prefix+extend-1 of every request, in batch order (what the attention reads)."""
@@ -437,7 +437,6 @@ class _Session:
         p.wrap(proc, "_generation_step", self._wrap_step)
         p.wrap(proc.inputs_and_outputs, "prepare_batch_tensors", self._wrap_prepare)
         p.wrap(alloc, "update", self._wrap_update)
-        p.wrap(alloc, "allocate_cache_to_request", self._wrap_allocate)
         p.wrap(alloc, "free_blocks", self._wrap_free)
         p.wrap(alloc, "mark_complete_blocks", self._wrap_mark_complete)
         p.wrap(alloc, "copy_blocks", self._wrap_copy)
@@ -545,17 +544,6 @@ class _Session:
 
     # ------------------------------------------------------------------ block lifecycle
 
-    def _wrap_allocate(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def allocate_cache_to_request(request_id: str, past_length: int, query_length: int) -> Any:
-            before = len(self.adapter.alloc.block_table.get(request_id, ()))
-            out = orig(request_id, past_length, query_length)
-            added = len(self.adapter.alloc.block_table.get(request_id, ())) - before
-            if added:  # called for every scheduled request every step: most calls change nothing
-                self.adapter.touch()
-            self.stats["blocks_allocated"] += added
-            return out
-        return allocate_cache_to_request
-
     def _wrap_free(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def free_blocks(request_id: str, no_cache: bool = False) -> Any:
             out = orig(request_id, no_cache)
@@ -660,7 +648,7 @@ class TransformersCanary:
 
     @property
     def stats(self) -> Counter[str]:
-        """Adapter counters (forwards, prefix hits, blocks allocated/copied, requests released, ...)."""
+        """Adapter counters (forwards, prefix hits, blocks copied, requests released, ...)."""
         out = Counter(self._closed_stats)
         for s in list(self._sessions.values()):
             for _ in range(8):  # the generation thread may add a key while we copy
