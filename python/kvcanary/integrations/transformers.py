@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 import threading
 import time
 from collections import Counter
@@ -22,7 +24,7 @@ from kvcanary.errors import CanaryInputError, KVCanaryError
 from kvcanary.hostcopy import export_of_blocks
 from kvcanary.manager import CanaryManager
 from kvcanary.manager import install as install_manager
-from kvcanary.ops.slot_rows import slot_rows
+from kvcanary.ops.slot_rows import SlotRows
 from kvcanary.ops.types import SourceSpec
 from kvcanary.report import ReportSink, Violation, WindowReport
 from kvcanary.truth import new_token_truth
@@ -216,7 +218,7 @@ class HFPoolAdapter:
         self.num_slots = self.total_blocks * self.page
         self.reserved_slots = 2 * bps * self.page
         self.device = torch.device(cache.device)
-        self.backend = backend  # slot_rows' (the canary's)
+        self.backend = backend  # the canary's
         self.num_layers = len(alloc.layer_indices)
         usable = self.num_slots - self.reserved_slots
         # every live request owns at least one block of its own (a prefix hit never covers its last token)
@@ -230,6 +232,7 @@ class HFPoolAdapter:
             logger.warning("kvcanary: the slot table takes %d MiB (%d rows x %d positions); pass req_rows= and "
                            "max_context= to install() to shrink it", table_bytes >> 20, self.req_rows, self.max_context)
         self.req_to_token = torch.full((self.req_rows, self.max_context), NO_SLOT, dtype=dtype, device=self.device)
+        self._slot_rows = SlotRows(self.req_to_token, self.stride, self.page, backend)
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(self.req_rows - 1, -1, -1))
         # the hashed blocks recorded (the ledger keeps neither positions nor parents): per block its content hash, and
@@ -306,21 +309,21 @@ class HFPoolAdapter:
         # a request seen for the first time gets its row
         rows = [self.row(i) for i in ids] if None in known else cast(list[int], known)
         bs, n = len(ids), int(io.total_seqlen_q)
-        facts = np.array((rows, pre, ext), dtype=np.int64).reshape(3, bs)
-        kv = facts[1] + facts[2]
-        if bs and int(kv.max()) > self.max_context:  # the plan would skip it: its blocks would never get records
-            i = int(kv.argmax())
-            raise CanaryInputError(f"request {ids[i]!r} reaches {int(kv[i])} positions, past the slot table's "
+        # the facts of a few dozen requests: builtins on the lists, one conversion (numpy calls cost more each)
+        kv = list(map(operator.add, pre, ext))
+        if bs and max(kv) > self.max_context:  # the plan would skip it: its blocks would never get records
+            i = kv.index(max(kv))
+            raise CanaryInputError(f"request {ids[i]!r} reaches {kv[i]} positions, past the slot table's "
                                    f"max_context={self.max_context} (the model's max_position_embeddings unless "
                                    "install(..., max_context=N))")
-        total = int(kv.sum())
-        meta = torch.from_numpy(np.concatenate((facts.reshape(-1), kv, np.cumsum(kv) - kv))).to(self.device)
+        starts = list(itertools.accumulate(kv, initial=0))
+        total = starts.pop()
+        meta = torch.from_numpy(np.array((rows, pre, ext, kv, starts), dtype=np.int64)).to(self.device)
         dev_rows, dev_pre, dev_ext, dev_kv, dev_starts = meta.view(5, bs).unbind()
         write = io.write_index_storage[0, :n]
         out = torch.empty(n, dtype=torch.int64, device=self.device)
         src = self._read_slots(io, batch, total, n) if total else write[:0]
-        slot_rows(self.req_to_token, dev_rows, dev_starts, dev_kv, src, out, write, self.stride, self.page,
-                  self.backend)
+        self._slot_rows(dev_rows, dev_starts, dev_kv, src, out, write)
         return BatchView(dev_rows, dev_pre, dev_ext, self.req_to_token, io.input_ids[:n], io.position_ids[:n], out,
                          ids, rows, pre, ext, _Histories(batch.states), true_new_tokens=batch.new_tokens(n))
 

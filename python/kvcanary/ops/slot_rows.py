@@ -47,6 +47,32 @@ def slot_rows(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, len
     _native.module(b).slot_rows(tbl, r, st, ln, s, o, w, stride, page)
 
 
+class SlotRows:
+    """:func:`slot_rows` into one slot table, its static arguments (``table``, ``stride``, ``page``, the backend)
+    checked once. A native backend's per-call tensors are checked by the native entry alone (an engine's batch view
+    calls this every forward), its errors raised as CanaryInputError before anything is written; the torch backend
+    checks every call in Python."""
+
+    def __init__(self, table: torch.Tensor, stride: int, page: int, backend: str = "torch") -> None:
+        self.table = check_tensor(table, "table", dtype=_INDEX, ndim=2)
+        self.stride, self.page = check_scalar(stride, "stride", 1), check_scalar(page, "page", 1)
+        if stride < page:
+            raise CanaryInputError(f"slot_rows needs page <= stride, got page {page}, stride {stride}")
+        self.backend = check_backend(backend, self.table.device)
+        self._native = None if self.backend == "torch" else _native.module(self.backend).slot_rows
+
+    def __call__(self, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, src: torch.Tensor,
+                 out: torch.Tensor, write: torch.Tensor) -> None:
+        """``slot_rows(table, rows, starts, lens, src, out, write, stride, page)`` on the bound arguments."""
+        if self._native is None:
+            slot_rows(self.table, rows, starts, lens, src, out, write, self.stride, self.page, "torch")
+            return
+        try:
+            self._native(self.table, rows, starts, lens, src, out, write, self.stride, self.page)
+        except (TypeError, ValueError) as err:  # the native entry's checks, as this library's input error
+            raise CanaryInputError(f"slot_rows: {err}") from err
+
+
 def table_slots_torch(s: torch.Tensor, stride: int, page: int) -> torch.Tensor:
     """The reference of the conversion: the table-space slot of every engine slot of ``s`` (int64)."""
     s = s.to(torch.int64)
