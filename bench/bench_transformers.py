@@ -121,9 +121,9 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
     rep_ms: dict[str, list[float]] = {n: [] for n in names}  # each repeat's median decode step
     host_ms: dict[str, list[float]] = {n: [] for n in names[1:]}
     ref: list[list[int]] | None = None
+    configs: list[tuple[str, dict[str, Any] | None]] = [("baseline", None)] + [(n, k) for n, k, _ in variants]
     with StepTimer(device) as timer:
         for rep in range(repeats + 1):  # repetition 0 warms up (allocator, kernels, backend load)
-            configs: list[tuple[str, dict[str, Any] | None]] = [("baseline", None)] + [(n, k) for n, k, _ in variants]
             for name, kwargs in configs[rep % len(configs):] + configs[:rep % len(configs)]:
                 handle = kt.install(model, CanaryConfig(mode="raise", **kwargs)) if kwargs is not None else None
                 try:

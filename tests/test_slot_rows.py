@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcanary.errors import CanaryInputError
-from kvcanary.ops.slot_rows import SlotRows, slot_rows
+from kvcanary.ops.slot_rows import bind_slot_rows, slot_rows
 from kvcanary_schema import NO_SLOT
 
 BACKENDS = ["torch", "cpu"]
@@ -134,12 +134,12 @@ def test_bad_input_raises_before_anything_is_written(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bound_equals_the_call(backend: str) -> None:
-    """SlotRows (static arguments checked once) fills and converts exactly as slot_rows, case by case."""
+    """bind_slot_rows (static arguments checked once) fills and converts exactly as slot_rows, case by case."""
     for seed in range(150):
         case = _case(random.Random(seed))
         want = _run(case, backend)
         c = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
-        bound = SlotRows(c["table"], c["stride"], c["page"], backend)  # type: ignore[arg-type]
+        bound = bind_slot_rows(c["table"], c["stride"], c["page"], backend)  # type: ignore[arg-type]
         bound(*(c[k] for k in ("rows", "starts", "lens", "src", "out", "write")))  # type: ignore[arg-type]
         assert torch.equal(c["table"], want[0]) and torch.equal(c["out"], want[1]), f"seed {seed}"  # type: ignore[arg-type]
 
@@ -152,8 +152,8 @@ def test_bound_bad_input_raises_before_anything_is_written(backend: str) -> None
     for args, match in [((torch.zeros(3, dtype=torch.int64), 4, 2), "dims"), ((table, 4, 5), "page <= stride"),
                         ((table, 0, 1), "stride"), ((table.float(), 4, 2), "dtype")]:
         with pytest.raises(CanaryInputError, match=match):
-            SlotRows(*args, backend=backend)  # type: ignore[arg-type]
-    bound = SlotRows(table, 4, 2, backend)
+            bind_slot_rows(*args, backend=backend)  # type: ignore[arg-type]
+    bound = bind_slot_rows(table, 4, 2, backend)
     good = {"rows": i64([0]), "starts": i64([0]), "lens": i64([2]), "src": i64([1, 2]), "out": out,
             "write": i64([3, 4])}
     bad = [("rows", torch.zeros(1, dtype=torch.int32)), ("starts", i64([0, 1])), ("src", torch.zeros(2)),

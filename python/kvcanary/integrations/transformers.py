@@ -24,7 +24,7 @@ from kvcanary.errors import CanaryInputError, KVCanaryError
 from kvcanary.hostcopy import export_of_blocks
 from kvcanary.manager import CanaryManager
 from kvcanary.manager import install as install_manager
-from kvcanary.ops.slot_rows import SlotRows
+from kvcanary.ops.slot_rows import bind_slot_rows
 from kvcanary.ops.types import SourceSpec
 from kvcanary.report import ReportSink, Violation, WindowReport
 from kvcanary.truth import new_token_truth
@@ -232,7 +232,7 @@ class HFPoolAdapter:
             logger.warning("kvcanary: the slot table takes %d MiB (%d rows x %d positions); pass req_rows= and "
                            "max_context= to install() to shrink it", table_bytes >> 20, self.req_rows, self.max_context)
         self.req_to_token = torch.full((self.req_rows, self.max_context), NO_SLOT, dtype=dtype, device=self.device)
-        self._slot_rows = SlotRows(self.req_to_token, self.stride, self.page, backend)
+        self._slot_rows = bind_slot_rows(self.req_to_token, self.stride, self.page, backend)
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(self.req_rows - 1, -1, -1))
         # the hashed blocks recorded (the ledger keeps neither positions nor parents): per block its content hash, and
@@ -370,7 +370,7 @@ class HFPoolAdapter:
         self._recorded[gone] = False
 
     def touch(self) -> None:
-        """The block lifecycle changed something the export holds (hashes, cached blocks, block tables)."""
+        """The block lifecycle changed something the export holds (hashes, cached blocks)."""
         self.version += 1
 
     def prefix_cache_export(self) -> PrefixCacheExport | None:

@@ -3,6 +3,8 @@ addressing, converted to table-space slots and filled into slot-table rows in on
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from kvcanary_schema import NO_SLOT
 
@@ -28,7 +30,42 @@ def slot_rows(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, len
     ``stride`` rows of which the first ``page`` are token slots, so ``slot(s) = s - (s // stride) * (stride - page)``
     for ``s >= 0`` with ``s % stride < page``, else NO_SLOT (and NO_SLOT for a slot an int32 table cannot hold).
     """
+    bind_slot_rows(table, stride, page, backend, check_calls=True)(rows, starts, lens, src, out, write)
+
+
+SlotRowsFn = Callable[..., None]  # (rows, starts, lens, src, out, write)
+_Call = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def bind_slot_rows(table: torch.Tensor, stride: int, page: int, backend: str = "torch",
+                   check_calls: bool = False) -> SlotRowsFn:
+    """:func:`slot_rows` into ``table``: ``table``, ``stride``, ``page`` and the backend checked once, a call that takes
+    ``(rows, starts, lens, src, out, write)``. A native backend's call tensors are checked by the native entry alone
+    (an engine's batch view binds it once and calls it every forward), its errors raised as CanaryInputError before
+    anything is written; the torch backend, and any backend with ``check_calls``, checks them in Python first."""
     tbl = check_tensor(table, "table", dtype=_INDEX, ndim=2)
+    stride, page = check_scalar(stride, "stride", 1), check_scalar(page, "page", 1)
+    if stride < page:
+        raise CanaryInputError(f"slot_rows needs page <= stride, got page {page}, stride {stride}")
+    b = check_backend(backend, tbl.device)
+    native = None if b == "torch" else _native.module(b).slot_rows
+
+    def run(rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, src: torch.Tensor, out: torch.Tensor,
+            write: torch.Tensor) -> None:
+        args: _Call = (rows, starts, lens, src, out, write)
+        if native is None:
+            slot_rows_torch(tbl, *_checked_call(tbl, *args), stride, page)
+            return
+        try:
+            native(tbl, *(_checked_call(tbl, *args) if check_calls else args), stride, page)
+        except (TypeError, ValueError) as err:  # the native entry's checks, as this library's input error
+            raise CanaryInputError(f"slot_rows: {err}") from err
+    return run
+
+
+def _checked_call(tbl: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, src: torch.Tensor,
+                  out: torch.Tensor, write: torch.Tensor) -> _Call:
+    """A call's tensors checked against the bound table (dtypes, dims, lengths, device)."""
     d = tbl.device
     r = check_tensor(rows, "rows", ndim=1, device=d)
     bs = r.shape[0]
@@ -37,40 +74,7 @@ def slot_rows(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, len
     s = check_tensor(src, "src", dtype=_INDEX, ndim=1, device=d)
     o = check_tensor(out, "out", ndim=1, device=d)
     w = check_tensor(write, "write", dtype=_INDEX, ndim=1, device=d, shape=(o.shape[0],))
-    stride, page = check_scalar(stride, "stride", 1), check_scalar(page, "page", 1)
-    if stride < page:
-        raise CanaryInputError(f"slot_rows needs page <= stride, got page {page}, stride {stride}")
-    b = check_backend(backend, d)
-    if b == "torch":
-        slot_rows_torch(tbl, r, st, ln, s, o, w, stride, page)
-        return
-    _native.module(b).slot_rows(tbl, r, st, ln, s, o, w, stride, page)
-
-
-class SlotRows:
-    """:func:`slot_rows` into one slot table, its static arguments (``table``, ``stride``, ``page``, the backend)
-    checked once. A native backend's per-call tensors are checked by the native entry alone (an engine's batch view
-    calls this every forward), its errors raised as CanaryInputError before anything is written; the torch backend
-    checks every call in Python."""
-
-    def __init__(self, table: torch.Tensor, stride: int, page: int, backend: str = "torch") -> None:
-        self.table = check_tensor(table, "table", dtype=_INDEX, ndim=2)
-        self.stride, self.page = check_scalar(stride, "stride", 1), check_scalar(page, "page", 1)
-        if stride < page:
-            raise CanaryInputError(f"slot_rows needs page <= stride, got page {page}, stride {stride}")
-        self.backend = check_backend(backend, self.table.device)
-        self._native = None if self.backend == "torch" else _native.module(self.backend).slot_rows
-
-    def __call__(self, rows: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, src: torch.Tensor,
-                 out: torch.Tensor, write: torch.Tensor) -> None:
-        """``slot_rows(table, rows, starts, lens, src, out, write, stride, page)`` on the bound arguments."""
-        if self._native is None:
-            slot_rows(self.table, rows, starts, lens, src, out, write, self.stride, self.page, "torch")
-            return
-        try:
-            self._native(self.table, rows, starts, lens, src, out, write, self.stride, self.page)
-        except (TypeError, ValueError) as err:  # the native entry's checks, as this library's input error
-            raise CanaryInputError(f"slot_rows: {err}") from err
+    return r, st, ln, s, o, w
 
 
 def table_slots_torch(s: torch.Tensor, stride: int, page: int) -> torch.Tensor:
