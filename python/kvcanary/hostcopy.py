@@ -3,6 +3,7 @@ so the caller would wait for the work queued before it)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import overload
 
@@ -11,6 +12,7 @@ import torch
 from kvcanary_schema import NO_SLOT
 
 from kvcanary.adapter import PrefixCacheExport
+from kvcanary.errors import CanaryInputError
 
 
 @overload
@@ -41,11 +43,52 @@ def packed(parts: Sequence[np.ndarray], flags: np.ndarray | None,
 def export_of_blocks(blocks: np.ndarray, first_positions: np.ndarray, parents: np.ndarray, page: int,
                      unlocked: np.ndarray | None, device: torch.device) -> PrefixCacheExport:
     """A paged prefix cache's export (one chain of ``page`` slots per block; ``parents``: the block each one follows,
-    -1 for none) built on the host and moved in one copy."""
+    -1 for none): the per-block facts built on the host and moved in one copy, the ``page`` slots of each block
+    expanded on the device (a host array of every slot would be ``page`` times larger, to build and to copy)."""
     n = blocks.shape[0]
-    slots = (blocks[:, None] * page + np.arange(page, dtype=np.int64)).reshape(-1)
     prev = np.where(parents >= 0, parents * page + page - 1, NO_SLOT)
-    ints, flags = packed((slots, np.arange(n, dtype=np.int64) * page, np.full(n, page, dtype=np.int64),
-                          first_positions, prev), unlocked, device)
-    s, starts, lens, first, prev_d = torch.split(ints, [n * page, n, n, n, n])
-    return PrefixCacheExport(s, starts, lens, first, prev_d, flags)
+    starts = np.arange(0, n * page, page, dtype=np.int64)
+    ints, flags = packed((blocks, starts, np.full(n, page, dtype=np.int64), first_positions, prev), unlocked, device)
+    b, starts_d, lens, first, prev_d = ints.view(5, n).unbind()
+    slots = torch.add(_page_offsets(page, device), b.view(n, 1), alpha=page).view(-1)
+    return PrefixCacheExport(slots, starts_d, lens, first, prev_d, flags)
+
+
+@functools.cache
+def _page_offsets(page: int, device: torch.device) -> torch.Tensor:
+    """0 .. page-1 on ``device`` (int64), made once."""
+    return torch.arange(page, dtype=torch.int64, device=device)
+
+
+class StagedRows:
+    """Up to ``width`` int64 values in each of ``rows`` rows, written on the host and copied to the device in one copy
+    per call, through one persistent host buffer (pinned for CUDA) into one persistent device buffer (on the CPU they
+    are one buffer). For facts a caller stages every forward: no allocation, no stream sync, and each width's device
+    row views made once. The device rows are overwritten by the next :meth:`put`: work that reads them must be queued
+    on the current stream before it (stream order protects it)."""
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.rows, self.width = rows, width
+        self._dev = torch.zeros((rows, width), dtype=torch.int64, device=device)
+        cuda = device.type == "cuda"
+        self._host = torch.zeros((rows, width), dtype=torch.int64, pin_memory=True) if cuda else self._dev
+        self._np = self._host.numpy()
+        # CUDA: the last copy out of the host buffer (the next put overwrites the buffer once it has run)
+        self._copied = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def put(self, values: Sequence[Sequence[int]] | np.ndarray, n: int) -> tuple[torch.Tensor, ...]:
+        """``values`` (``rows`` rows of ``n`` <= ``width`` values each) on the device: one contiguous int64 view of
+        ``n`` values per row."""
+        if not 0 <= n <= self.width:
+            raise CanaryInputError(f"{n} values per row, staged rows hold at most {self.width}")
+        if self._copied is not None:
+            self._copied.synchronize()  # type: ignore[no-untyped-call]
+        self._np[:, :n] = values
+        if self._copied is not None:
+            self._dev.copy_(self._host, non_blocking=True)
+            self._copied.record()  # type: ignore[no-untyped-call]
+        v = self._views.get(n)
+        if v is None:
+            v = self._views[n] = self._dev[:, :n].unbind()
+        return v

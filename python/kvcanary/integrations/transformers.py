@@ -21,7 +21,7 @@ from kvcanary_schema import DEFAULT_REQ_CAPACITY, NO_SLOT, Group
 from kvcanary.adapter import BatchView, GroupSpec, PoolDescription, PrefixCacheExport, copy_transfer
 from kvcanary.config import CanaryConfig, CanaryMode
 from kvcanary.errors import CanaryInputError, KVCanaryError
-from kvcanary.hostcopy import export_of_blocks
+from kvcanary.hostcopy import StagedRows, export_of_blocks
 from kvcanary.manager import CanaryManager
 from kvcanary.manager import install as install_manager
 from kvcanary.ops.slot_rows import bind_slot_rows
@@ -233,6 +233,10 @@ class HFPoolAdapter:
                            "max_context= to install() to shrink it", table_bytes >> 20, self.req_rows, self.max_context)
         self.req_to_token = torch.full((self.req_rows, self.max_context), NO_SLOT, dtype=dtype, device=self.device)
         self._slot_rows = bind_slot_rows(self.req_to_token, self.stride, self.page, backend)
+        # the batch view's per-forward buffers: its row facts (rows, prefix, extend, kv lengths, read starts) staged
+        # in one copy, its converted write slots (grown on demand)
+        self._facts = StagedRows(5, self.req_rows, self.device)
+        self._out = torch.empty(0, dtype=torch.int64, device=self.device)
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(self.req_rows - 1, -1, -1))
         # the hashed blocks recorded (the ledger keeps neither positions nor parents): per block its content hash, and
@@ -318,14 +322,20 @@ class HFPoolAdapter:
                                    "install(..., max_context=N))")
         starts = list(itertools.accumulate(kv, initial=0))
         total = starts.pop()
-        meta = torch.from_numpy(np.array((rows, pre, ext, kv, starts), dtype=np.int64)).to(self.device)
-        dev_rows, dev_pre, dev_ext, dev_kv, dev_starts = meta.view(5, bs).unbind()
+        dev_rows, dev_pre, dev_ext, dev_kv, dev_starts = self._facts.put((rows, pre, ext, kv, starts), bs)
         write = io.write_index_storage[0, :n]
-        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        out = self._write_slots(n)
         src = self._read_slots(io, batch, total, n) if total else write[:0]
         self._slot_rows(dev_rows, dev_starts, dev_kv, src, out, write)
         return BatchView(dev_rows, dev_pre, dev_ext, self.req_to_token, io.input_ids[:n], io.position_ids[:n], out,
                          ids, rows, pre, ext, _Histories(batch.states), true_new_tokens=batch.new_tokens(n))
+
+    def _write_slots(self, n: int) -> torch.Tensor:
+        """The batch view's ``n`` converted write slots: the front of one buffer kept across forwards (each forward's
+        slot_rows, stage copy and plan are queued before the next one's conversion overwrites it)."""
+        if self._out.shape[0] < n:
+            self._out = torch.empty(max(n, 2 * self._out.shape[0]), dtype=torch.int64, device=self.device)
+        return self._out[:n]
 
     def _read_slots(self, io: Any, batch: _Batch, total: int, n: int) -> torch.Tensor:
         """Sparse slots of positions 0..prefix+extend-1 of every request, in batch order (what the attention reads)."""
