@@ -83,11 +83,11 @@ class StagedRows:
         if not 0 <= n <= self.width:
             raise CanaryInputError(f"{n} values per row, staged rows hold at most {self.width}")
         if self._copied is not None:
-            self._copied.synchronize()  # type: ignore[no-untyped-call]
+            self._copied.synchronize()
         self._np[:, :n] = values
         if self._copied is not None:
             self._dev.copy_(self._host, non_blocking=True)
-            self._copied.record()  # type: ignore[no-untyped-call]
+            self._copied.record()
         v = self._views.get(n)
         if v is None:
             v = self._views[n] = self._dev[:, :n].unbind()
