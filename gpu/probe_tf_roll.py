@@ -17,7 +17,7 @@ from bench.call_times import time_calls
 times: dict[str, list[float]] = {}
 for owner, names in ((mg.CanaryManager, ("_roll",)), (sw.Sweeper, ("roll", "_derive", "_verify")),
                      (kt.HFPoolAdapter, ("prefix_cache_export", "_build_export", "forget_hashes", "_read_slots")),
-                     (kt, ("slot_rows", "new_token_truth"))):
+                     (kt, ("new_token_truth", "export_of_blocks"))):
     for name in names:
         time_calls(owner, name, times)  # type: ignore[arg-type]
 sys.argv = ["gpu/probe_tf_parts.py", *sys.argv[1:]]
