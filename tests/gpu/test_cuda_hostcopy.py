@@ -11,7 +11,7 @@ from kvcanary.hostcopy import StagedRows, export_of_blocks
 from tests.test_hostcopy import staged_rows_round_trip
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-CUDA = torch.device("cuda")
+CUDA = torch.device("cuda", 0)  # a resolved device: tensors report their index
 
 
 def test_staged_rows_round_trip_cuda() -> None:
