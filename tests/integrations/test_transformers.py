@@ -156,6 +156,30 @@ def test_clean_under_memory_pressure(llama: Any, over: dict[str, Any]) -> None:
     assert canary is not None and canary.sweeps_completed == st["forwards"]
 
 
+def test_evictions_of_nothing_change_nothing(llama: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under its safety margin transformers tries an eviction every step. A try that evicts nothing changes nothing,
+    so the hashes are not rescanned (and the export not rebuilt) for it: fewer scans than tries, still clean."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache as cache_cls
+    tries, scans = [0], [0]
+    evict, forget = cache_cls.evict_cached_blocks, kt.HFPoolAdapter.forget_hashes
+
+    def counted_evict(self: Any) -> Any:
+        tries[0] += 1
+        return evict(self)
+
+    def counted_forget(self: kt.HFPoolAdapter) -> None:
+        scans[0] += 1
+        forget(self)
+    monkeypatch.setattr(cache_cls, "evict_cached_blocks", counted_evict)
+    monkeypatch.setattr(kt.HFPoolAdapter, "forget_hashes", counted_forget)
+    prompts = shared_prefix_prompts(40, (5, 9, 17, 3, 21, 30))
+    with kt.install(llama, raise_config(sweep_roll_interval=1)) as handle:
+        llama.generate_batch(prompts, generation_config=gen_config(20),
+                             continuous_batching_config=cb_config(64, num_blocks=16), warmup=False)
+    assert handle.total_violations == 0 and handle.stats["evictions"] >= 1
+    assert tries[0] > handle.stats["evictions"] and scans[0] < tries[0], (tries, scans, handle.stats)
+
+
 def test_clean_fork_copies_records(llama: Any, prompts: list[list[int]]) -> None:
     """num_return_sequences=3: forks copy their partial blocks, and the canary records with them."""
     handle = kt.install(llama, raise_config())

@@ -612,9 +612,12 @@ class _Session:
     def _wrap_evict(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def evict_cached_blocks() -> bool:
             out = bool(orig())
-            self.adapter.touch()
-            self.adapter.forget_hashes()
-            self.stats["evictions"] += int(out)
+            # transformers calls this every step while the cache is under its safety margin; a call that evicted
+            # nothing changed nothing (every ledger change of an eviction is reported by its True)
+            if out:
+                self.adapter.touch()
+                self.adapter.forget_hashes()
+                self.stats["evictions"] += 1
             return out
         return evict_cached_blocks
 
