@@ -62,6 +62,8 @@ def staged_rows_round_trip(device: torch.device) -> None:
     assert all(v.is_contiguous() and v.dtype == torch.int64 and v.device.type == device.type for v in a)
     b = rows.put(np.array([[-1], [-2], [-3]]), 1)
     assert [v.tolist() for v in b] == [[-1], [-2], [-3]]
+    assert [h.tolist() for h in rows.host_rows(1)] == [[-1], [-2], [-3]]
+    assert all(h.flags.c_contiguous and h.dtype == np.int64 for h in rows.host_rows(3))
     assert rows.put(([5, 6, 7], [0, 0, 0], [1, 1, 1]), 3)[0].tolist() == [5, 6, 7]
     assert [v.numel() for v in rows.put(((), (), ()), 0)] == [0, 0, 0]
     with pytest.raises(CanaryInputError, match="at most 8"):

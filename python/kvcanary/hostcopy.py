@@ -76,6 +76,7 @@ class StagedRows:
         # CUDA: the last copy out of the host buffer (the next put overwrites the buffer once it has run)
         self._copied = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._host_views: dict[int, tuple[np.ndarray, ...]] = {}
 
     def put(self, values: Sequence[Sequence[int]] | np.ndarray, n: int) -> tuple[torch.Tensor, ...]:
         """``values`` (``rows`` rows of ``n`` <= ``width`` values each) on the device: one contiguous int64 view of
@@ -92,3 +93,11 @@ class StagedRows:
         if v is None:
             v = self._views[n] = self._dev[:, :n].unbind()
         return v
+
+    def host_rows(self, n: int) -> tuple[np.ndarray, ...]:
+        """The host buffer's rows as the last :meth:`put` of ``n`` values left them (contiguous int64 views, valid
+        until the next put): the same facts without converting them again."""
+        h = self._host_views.get(n)
+        if h is None:
+            h = self._host_views[n] = tuple(self._np[:, :n])
+        return h

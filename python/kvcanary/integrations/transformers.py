@@ -334,8 +334,10 @@ class HFPoolAdapter:
         out = self._write_slots(n)
         src = self._read_slots(io, batch, total, n) if total else write[:0]
         self._slot_rows(dev_rows, dev_starts, dev_kv, src, out, write)
+        host_rows, host_pre, host_ext = self._facts.host_rows(bs)[:3]  # the facts as arrays: no conversion in begin
         return BatchView(dev_rows, dev_pre, dev_ext, self.req_to_token, io.input_ids[:n], io.position_ids[:n], out,
-                         ids, rows, pre, ext, _Histories(batch.states), true_new_tokens=batch.new_tokens(n))
+                         ids, host_rows, host_pre, host_ext, _Histories(batch.states),
+                         true_new_tokens=batch.new_tokens(n))
 
     def _write_slots(self, n: int) -> torch.Tensor:
         """The batch view's ``n`` converted write slots: the front of one buffer kept across forwards (each forward's
