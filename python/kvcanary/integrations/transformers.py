@@ -182,10 +182,8 @@ class _Batch:
         token per request is read from its state's lists, no history made."""
         if self.ext.count(1) != len(self.ext) or len(self.ext) > n:  # not one new token per request: the general fold
             return new_token_truth(_Histories(self.states), self.pre, self.ext, n)
-        out = np.full(n, -1, dtype=np.int64)
-        out[:len(self.ext)] = [_token_at(s.initial_tokens, s.generated_tokens, p)
-                               for s, p in zip(self.states, self.pre, strict=True)]
-        return out
+        toks = [_token_at(s.initial_tokens, s.generated_tokens, p) for s, p in zip(self.states, self.pre, strict=True)]
+        return np.array(toks + [-1] * (n - len(toks)), dtype=np.int64)  # one numpy call: each costs microseconds
 
 
 def _token_at(prompt: Sequence[int], generated: Sequence[int], p: int) -> int:
