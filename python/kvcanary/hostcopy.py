@@ -87,8 +87,8 @@ class StagedRows:
             self._copied.synchronize()
         self._np[:, :n] = values
         if self._copied is not None:
-            self._dev.copy_(self._host, non_blocking=True)
-            self._copied.record()
+            self._dev.copy_(self._host, non_blocking=True)  # queued on the device buffer's device's current stream
+            self._copied.record(torch.cuda.current_stream(self._dev.device))
         v = self._views.get(n)
         if v is None:
             v = self._views[n] = self._dev[:, :n].unbind()
