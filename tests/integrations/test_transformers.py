@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -710,36 +709,6 @@ def test_export_is_rebuilt_only_when_the_block_lifecycle_moves(llama: Any, promp
     with kt.install(llama, raise_config()) as handle:
         run_manager(llama, prompts[:3], sequential=True, between=check, max_new_tokens=4)
     assert seen == [(True, True, True)] * 3
-
-
-@pytest.mark.parametrize("live", [False, True])
-def test_block_completions_rebuild_the_export_only_where_live_blocks_count(
-        llama: Any, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch, live: bool) -> None:
-    """FULL policy, no full sweeps: a decode that completes blocks while nothing else changes (the same requests hold
-    rows, the same blocks are cached) reuses the export, since every forward of their request verifies the new blocks.
-    With full sweeps (which promise every hashed block) such a completion rebuilds it. Either way nothing is
-    reported, and after the run the export holds every hashed block (test_export_holds_the_ledgers_chains)."""
-    seen: list[tuple[frozenset[str], int, int]] = []  # at each build: requests with rows, cached blocks, hashes
-    hashes: list[int] = []  # at each export the sweep asked for
-    export, build = kt.HFPoolAdapter.prefix_cache_export, kt.HFPoolAdapter._build_export
-
-    def asked(self: kt.HFPoolAdapter) -> Any:
-        hashes.append(len(self.alloc.ledger.block_to_hash))
-        return export(self)
-
-    def counted(self: kt.HFPoolAdapter) -> Any:
-        ledger = self.alloc.ledger
-        seen.append((frozenset(self._rows), len(ledger.cached_blocks), len(ledger.block_to_hash)))
-        return build(self)
-    monkeypatch.setattr(kt.HFPoolAdapter, "prefix_cache_export", asked)
-    monkeypatch.setattr(kt.HFPoolAdapter, "_build_export", counted)
-    cfg = raise_config(sweep_roll_interval=1, **({"sweep_interval": 1000} if live else {}))
-    with kt.install(llama, cfg) as handle:
-        run_manager(llama, prompts[:2], max_new_tokens=3 * PAGE)
-    assert handle.total_violations == 0
-    assert seen and max(hashes) >= seen[0][2] + 4  # blocks completed while the sweep rolled
-    completions = sum(a[:2] == b[:2] and b[2] > a[2] for a, b in itertools.pairwise(seen))
-    assert (completions > 0) if live else completions == 0, seen
 
 
 def test_decode_steps_reuse_the_export(llama: Any, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ import torch
 from kvcanary_schema import DEFAULT_REQ_CAPACITY, NO_SLOT, Group
 
 from kvcanary.adapter import BatchView, GroupSpec, PoolDescription, PrefixCacheExport, copy_transfer
-from kvcanary.config import CanaryConfig, CanaryMode, CoveragePolicy
+from kvcanary.config import CanaryConfig, CanaryMode
 from kvcanary.errors import CanaryInputError, KVCanaryError
 from kvcanary.hostcopy import StagedRows, export_of_blocks
 from kvcanary.manager import CanaryManager
@@ -248,14 +248,7 @@ class HFPoolAdapter:
         # the export of the last sweep and what it was built from: the block lifecycle calls touch(), so an unchanged
         # cache hands the sweep the same (immutable) export object again
         self.version = 0
-        # whether a live request's newly hashed blocks must enter the export at once (a full sweep promises every
-        # hashed block; the WINDOW policy leaves older live slots to the sweeps). Otherwise they enter it at the next
-        # change of the cache's shape (a free, an eviction, a copy, a prefix hit): until then every forward of their
-        # request verifies them whole, and only then can they become cached. A decode stream completes blocks nearly
-        # every step, so rebuilding for each completion rebuilt the export at almost every rolling slice.
-        self.export_live = True
         self._export: tuple[tuple[int, int, int], PrefixCacheExport] | None = None
-        self._export_hashes = 0  # the ledger's hashes when the export was built
         self._warned_fallback = False
 
     # ------------------------------------------------------------------ pool description
@@ -391,15 +384,12 @@ class HFPoolAdapter:
         self.version += 1
 
     def prefix_cache_export(self) -> PrefixCacheExport | None:
-        """Every hashed block (live or cached; see ``export_live``) as a chain of ``page_size`` slots; ``unlocked`` =
-        cached. Rebuilt only when the lifecycle touched the cache or the ledger's sizes moved (the same object
-        otherwise): its cached blocks, its hashes fewer than at the build (a drop no wrapper saw), or more of them
-        where the live ones count."""
+        """Every hashed block (live or cached) as a chain of ``page_size`` slots; ``unlocked`` = cached. Rebuilt only
+        when the lifecycle touched the cache or the ledger's sizes moved (the same object otherwise)."""
         ledger = self.alloc.ledger
-        hashes = len(ledger.block_to_hash)
-        key = (self.version, len(ledger.cached_blocks), hashes if self.export_live else 0)
-        if self._export is None or self._export[0] != key or hashes < self._export_hashes:
-            self._export, self._export_hashes = (key, self._build_export()), hashes
+        key = (self.version, len(ledger.block_to_hash), len(ledger.cached_blocks))
+        if self._export is None or self._export[0] != key:
+            self._export = (key, self._build_export())
         return self._export[1]
 
     def _build_export(self) -> PrefixCacheExport:
@@ -445,8 +435,6 @@ class _Session:
                                      handle.config.resolved_backend(torch.device(cache.device).type))
         self.canary: CanaryManager = install_manager(self.adapter, handle.config,
                                                      sinks=[handle._on_report, *handle.sinks])
-        cfg = handle.config
-        self.adapter.export_live = cfg.coverage != CoveragePolicy.FULL or cfg.sweep_interval > 0
         self.graphs = any(hf_manager.continuous_batching_config.cuda_graph_booleans)
         self.pending: _Batch | None = None
         self.in_forward = False
@@ -584,8 +572,7 @@ class _Session:
     def _wrap_mark_complete(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def mark_complete_blocks(request_id: str, token_ids: list[int], new_new_blocks: int) -> Any:
             out = orig(request_id, token_ids, new_new_blocks)
-            if self.adapter.export_live:
-                self.adapter.touch()
+            self.adapter.touch()
             self.adapter.on_blocks_hashed(request_id)
             return out
         return mark_complete_blocks
