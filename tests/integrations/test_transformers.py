@@ -294,6 +294,30 @@ def test_sweep_catches_corruption_of_a_block_nobody_reads(llama: Any, prompts: l
     assert [(v.position, v.reasons) for v in err.violations] == [(2 * PAGE + 7, FailReason.VERIFY_FINGERPRINT)]
 
 
+def test_rolling_sweep_catches_a_bit_flip_in_a_block_completed_during_decode(
+        llama: Any, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default policy's per-forward fingerprint samples the first layer's K: one flipped bit in layer 1 of a running
+    request's own block, completed during its decode, is seen only by the rolling sweep against the seal. So a block a
+    decode completes must join the sweep's export while its request still runs (SWEEP tag, that block's position)."""
+    target, done = 3, {}  # r0's block 3 (positions 48..63) completes 19 tokens into its decode (a 45-token prompt)
+    view = kt.HFPoolAdapter.batch_view
+
+    def flip_once(self: kt.HFPoolAdapter, io: Any, batch: Any) -> Any:
+        bt = self.alloc.block_table.get("r0", [])
+        if not done and len(bt) > target and bt[target] in self.alloc.ledger.block_to_hash:
+            slot = bt[target] * self.alloc.block_physical_stride + 5
+            self.alloc._kv_token_views[1][0][slot].view(-1)[-1:].view(torch.int32)[0] ^= 1  # a mantissa bit
+            done["slot"] = bt[target] * PAGE + 5
+        return view(self, io, batch)
+    monkeypatch.setattr(kt.HFPoolAdapter, "batch_view", flip_once)
+    assert len(prompts[0]) == 45
+    with kt.install(llama, CanaryConfig(mode="raise", backend="torch", sweep_roll_interval=1)):
+        err = expect_violation(lambda: run_manager(llama, prompts[:1], max_new_tokens=3 * PAGE))
+    assert done and tags(err.violations) == {LaunchTag.SWEEP_K_FULL}
+    assert {(v.slot, v.position) for v in err.violations} == {(done["slot"], target * PAGE + 5)}
+    assert all(v.reasons & FailReason.VERIFY_FINGERPRINT for v in err.violations)
+
+
 def kt_block_hash_chain(parent: int, tokens: list[int]) -> int:
     from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
 
