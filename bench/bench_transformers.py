@@ -120,6 +120,7 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
     step_ms: dict[str, list[float]] = {n: [] for n in names}
     rep_ms: dict[str, list[float]] = {n: [] for n in names}  # each repeat's median decode step
     host_ms: dict[str, list[float]] = {n: [] for n in names[1:]}
+    life_ms: dict[str, list[float]] = {n: [] for n in names[1:]}  # the block lifecycle wrappers' host time
     ref: list[list[int]] | None = None
     configs: list[tuple[str, dict[str, Any] | None]] = [("baseline", None)] + [(n, k) for n, k, _ in variants]
     with StepTimer(device) as timer:
@@ -141,7 +142,9 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
                 step_ms[name] += [1e3 * s for s in decode]
                 rep_ms[name].append(1e3 * statistics.median(decode))
                 if handle is not None:
-                    host_ms[name].append(1e-3 * handle.stats["bracket_us"] / handle.stats["forwards"])
+                    st = handle.stats
+                    host_ms[name].append(1e-3 * st["bracket_us"] / st["forwards"])
+                    life_ms[name].append(1e-3 * st["lifecycle_us"] / st["forwards"])
     med = statistics.median
     base = rep_ms["baseline"]
     spread = 100.0 * (max(base) - min(base)) / med(base)
@@ -152,7 +155,8 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
         rows.append({"config": name, "decode_step_ms": round(med(step_ms[name]), 3),
                      "overhead_pct": round(med(pairs), 2), "pair_overheads_pct": [round(p, 2) for p in pairs],
                      "target_pct": target, "met": _verdict(pairs, target),
-                     "bracket_host_ms": round(med(host_ms[name]), 3)})
+                     "bracket_host_ms": round(med(host_ms[name]), 3),
+                     "lifecycle_host_ms": round(med(life_ms[name]), 3)})
     return {"rows": rows, "decode_steps_per_config": len(step_ms["baseline"])}
 
 

@@ -177,6 +177,7 @@ def test_evictions_of_nothing_change_nothing(llama: Any, monkeypatch: pytest.Mon
                              continuous_batching_config=cb_config(64, num_blocks=16), warmup=False)
     assert handle.total_violations == 0 and handle.stats["evictions"] >= 1
     assert tries[0] > handle.stats["evictions"] and scans[0] < tries[0], (tries, scans, handle.stats)
+    assert handle.stats["lifecycle_us"] > 0  # the wrappers' own host time, outside the bracket
 
 
 def test_clean_fork_copies_records(llama: Any, prompts: list[list[int]]) -> None:

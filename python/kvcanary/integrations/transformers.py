@@ -450,12 +450,12 @@ class _Session:
         p.wrap(proc, "_generation_step", self._wrap_step)
         p.wrap(proc.inputs_and_outputs, "prepare_batch_tensors", self._wrap_prepare)
         p.wrap(alloc, "update", self._wrap_update)
-        p.wrap(alloc, "free_blocks", self._wrap_free)
-        p.wrap(alloc, "mark_complete_blocks", self._wrap_mark_complete)
-        p.wrap(alloc, "copy_blocks", self._wrap_copy)
-        p.wrap(cache, "search_prefix_match", self._wrap_prefix_match)
-        p.wrap(cache, "evict_cached_blocks", self._wrap_evict)
-        p.wrap(cache, "reset", self._wrap_reset)
+        p.wrap(alloc, "free_blocks", self._lifecycle(self._on_free))
+        p.wrap(alloc, "mark_complete_blocks", self._lifecycle(self._on_mark_complete))
+        p.wrap(alloc, "copy_blocks", self._lifecycle(self._on_copy))
+        p.wrap(cache, "search_prefix_match", self._lifecycle(self._on_prefix_match))
+        p.wrap(cache, "evict_cached_blocks", self._lifecycle(self._on_evict))
+        p.wrap(cache, "reset", self._lifecycle(self._on_reset))
 
     # ------------------------------------------------------------------ the forward bracket
 
@@ -557,64 +557,62 @@ class _Session:
 
     # ------------------------------------------------------------------ block lifecycle
 
-    def _wrap_free(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def free_blocks(request_id: str, no_cache: bool = False) -> Any:
-            out = orig(request_id, no_cache)
-            self.adapter.touch()
-            if no_cache:  # its hashed blocks went back to the pool and lost their hashes
-                self.adapter.forget_hashes()
-            if self.adapter.release(request_id):
-                self.canary.release(request_id)
-                self.stats["requests_released"] += 1
-            return out
-        return free_blocks
+    def _lifecycle(self, on: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A wrapper maker: transformers' own call, then ``on(out, *args, **kwargs)`` (the canary's bookkeeping, whose
+        result is returned), its host time added to ``stats["lifecycle_us"]`` (canary time outside the bracket: these
+        calls run in transformers' scheduler and update)."""
+        def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                out = orig(*args, **kwargs)
+                t0 = time.perf_counter()
+                try:
+                    return on(out, *args, **kwargs)
+                finally:
+                    self.stats["lifecycle_us"] += int(1e6 * (time.perf_counter() - t0))
+            return wrapped
+        return make
 
-    def _wrap_mark_complete(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def mark_complete_blocks(request_id: str, token_ids: list[int], new_new_blocks: int) -> Any:
-            out = orig(request_id, token_ids, new_new_blocks)
-            self.adapter.touch()
-            self.adapter.on_blocks_hashed(request_id)
-            return out
-        return mark_complete_blocks
+    def _on_free(self, out: Any, request_id: str, no_cache: bool = False) -> Any:
+        self.adapter.touch()
+        if no_cache:  # its hashed blocks went back to the pool and lost their hashes
+            self.adapter.forget_hashes()
+        if self.adapter.release(request_id):
+            self.canary.release(request_id)
+            self.stats["requests_released"] += 1
+        return out
 
-    def _wrap_copy(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def copy_blocks(source_block_ids: list[int], dest_block_ids: list[int]) -> Any:
-            out = orig(source_block_ids, dest_block_ids)
-            self.adapter.touch()
-            self.adapter.copy_records(self.canary, source_block_ids, dest_block_ids)
-            self.stats["blocks_copied"] += len(source_block_ids)
-            return out
-        return copy_blocks
+    def _on_mark_complete(self, out: Any, request_id: str, token_ids: list[int], new_new_blocks: int) -> Any:
+        self.adapter.touch()
+        self.adapter.on_blocks_hashed(request_id)
+        return out
 
-    def _wrap_prefix_match(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
-            hit = int(orig(request_id, prompt_ids))
-            self.adapter.touch()
-            self.stats["prefix_lookups"] += 1
-            self.stats["prefix_hits"] += int(hit > 0)
-            self.stats["prefix_hit_tokens"] += hit
-            return hit
-        return search_prefix_match
+    def _on_copy(self, out: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> Any:
+        self.adapter.touch()
+        self.adapter.copy_records(self.canary, source_block_ids, dest_block_ids)
+        self.stats["blocks_copied"] += len(source_block_ids)
+        return out
 
-    def _wrap_evict(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def evict_cached_blocks() -> bool:
-            out = bool(orig())
-            # transformers calls this every step while the cache is under its safety margin; a call that evicted
-            # nothing changed nothing (every ledger change of an eviction is reported by its True)
-            if out:
-                self.adapter.touch()
-                self.adapter.forget_hashes()
-                self.stats["evictions"] += 1
-            return out
-        return evict_cached_blocks
+    def _on_prefix_match(self, out: Any, request_id: str, prompt_ids: list[int]) -> int:
+        hit = int(out)
+        self.adapter.touch()
+        self.stats["prefix_lookups"] += 1
+        self.stats["prefix_hits"] += int(hit > 0)
+        self.stats["prefix_hit_tokens"] += hit
+        return hit
 
-    def _wrap_reset(self, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def reset() -> Any:
-            out = orig()
+    def _on_evict(self, out: Any) -> bool:
+        # transformers calls this every step while the cache is under its safety margin; a call that evicted nothing
+        # changed nothing (every ledger change of an eviction is reported by its True)
+        if out:
             self.adapter.touch()
             self.adapter.forget_hashes()
-            return out
-        return reset
+            self.stats["evictions"] += 1
+        return bool(out)
+
+    def _on_reset(self, out: Any) -> Any:
+        self.adapter.touch()
+        self.adapter.forget_hashes()
+        return out
 
     def close(self) -> None:
         """Flush the canary's last window (stashing a RAISE error) and remove this session's wrappers."""
