@@ -89,8 +89,10 @@ class StepTimer:
             torch.cuda.synchronize()
 
 
-def run_once(model: Any, ps: list[list[int]], new_tokens: int, timer: StepTimer) -> tuple[list[float], list[list[int]]]:
-    """One generate_batch: the decode-step times (prefill steps dropped) and the generated tokens."""
+def run_once(model: Any, ps: list[list[int]], new_tokens: int, timer: StepTimer,
+             skip: int = 0) -> tuple[list[float], list[list[int]]]:
+    """One generate_batch: the decode-step times (prefill steps and the first ``skip`` decode steps dropped) and the
+    generated tokens."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -103,16 +105,18 @@ def run_once(model: Any, ps: list[list[int]], new_tokens: int, timer: StepTimer)
     out = model.generate_batch(ps, generation_config=gen, continuous_batching_config=cb, warmup=False)
     steps = timer.steps[n:]
     decode = steps[-(new_tokens - 1):]  # the last new_tokens - 1 steps decode every row; earlier ones prefill
-    return decode, [r.generated_tokens for r in out.values()]
+    return decode[skip:], [r.generated_tokens for r in out.values()]
 
 
 def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, device: str,
-            variants: list[tuple[str, dict[str, Any], float]]) -> dict[str, Any]:
+            variants: list[tuple[str, dict[str, Any], float]], skip: int = 0) -> dict[str, Any]:
     """Interleaved repeats of baseline and every variant. Each repeat pairs a variant's median decode step with the
     baseline's of the same repeat (the host's speed drifts between repeats, far more than the targets); the overhead is
     the median of the pairs. Each repeat runs the configs in a rotated order (the first run of a repeat was the fastest
     or slowest by up to 20 % on an H100 host). Verdict from the pairs (:func:`_verdict`): met only when their upper
-    quartile and their spread are both within the target, missed when every pair is above it."""
+    quartile and their spread are both within the target, missed when every pair is above it. ``skip``: decode steps
+    dropped from the front of every run (the canary's eager stages run from CUDA graphs from the 16th run of a shape
+    on, so skip=16 times the steady state)."""
     from kvcanary.config import CanaryConfig
     from kvcanary.integrations import transformers as kt
 
@@ -128,7 +132,7 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
             for name, kwargs in configs[rep % len(configs):] + configs[:rep % len(configs)]:
                 handle = kt.install(model, CanaryConfig(mode="raise", **kwargs)) if kwargs is not None else None
                 try:
-                    decode, out = run_once(model, ps, new_tokens, timer)
+                    decode, out = run_once(model, ps, new_tokens, timer, skip)
                 finally:
                     if handle is not None:
                         handle.uninstall()
@@ -185,21 +189,25 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=33)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-decode", type=int, default=0,
+                    help="decode steps dropped from the front of every run (16: the canary's steady state)")
     ap.add_argument("--parts", action="store_true", help="also the default policy's parts, one at a time")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    if not 0 <= a.skip_decode < a.new_tokens - 1:
+        ap.error(f"--skip-decode must be in [0, {a.new_tokens - 1}) for {a.new_tokens} new tokens")
     cfg = LLAMA_1B if a.model == "1b" else LLAMA_TINY
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     model = build_model(cfg, a.device, dtype)
     res = measure(model, prompts(a.batch, a.prompt, cfg["vocab_size"]), a.new_tokens, a.repeats, a.device,
-                  VARIANTS + (PARTS if a.parts else []))
+                  VARIANTS + (PARTS if a.parts else []), a.skip_decode)
     for r in res["rows"]:
         print(json.dumps(r))
     out = {"machine": platform.node(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
            "command": f"python -m bench.bench_transformers --device {a.device} --model {a.model} --batch {a.batch} "
                       f"--prompt {a.prompt} --new-tokens {a.new_tokens} --repeats {a.repeats}"
-                      + (" --parts" if a.parts else ""),
+                      + (" --parts" if a.parts else "") + (f" --skip-decode {a.skip_decode}" if a.skip_decode else ""),
            "model": cfg, "params": sum(p.numel() for p in model.parameters()), "dtype": str(dtype),
            "page_size": PAGE, "note": "decode-step time of transformers continuous batching (sdpa paged cache, no "
            "CUDA graphs): each loop step that ran a batch, canary wrappers included, synchronized; overhead = median "
