@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvcanary.program import CAPTURE_AFTER
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -115,8 +116,8 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
     the median of the pairs. Each repeat runs the configs in a rotated order (the first run of a repeat was the fastest
     or slowest by up to 20 % on an H100 host). Verdict from the pairs (:func:`_verdict`): met only when their upper
     quartile and their spread are both within the target, missed when every pair is above it. ``skip``: decode steps
-    dropped from the front of every run (the canary's eager stages run from CUDA graphs from the 16th run of a shape
-    on, so skip=16 times the steady state)."""
+    dropped from the front of every run (the canary's eager stages run from CUDA graphs from the
+    ``program.CAPTURE_AFTER``-th run of a shape on, so skipping that many times the steady state)."""
     from kvcanary.config import CanaryConfig
     from kvcanary.integrations import transformers as kt
 
@@ -190,7 +191,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=33)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-decode", type=int, default=0,
-                    help="decode steps dropped from the front of every run (16: the canary's steady state)")
+                    help=f"decode steps dropped from the front of every run ({CAPTURE_AFTER}: the canary's eager "
+                    "stages run from their CUDA graphs, its steady state)")
     ap.add_argument("--parts", action="store_true", help="also the default policy's parts, one at a time")
     ap.add_argument("--out", default="")
     a = ap.parse_args()

@@ -1,10 +1,9 @@
 """Probe: where the transformers integration's host time per generation step goes (continuous batching, decode steps
 of a random Llama): the adapter's batch view, begin_forward, pre_forward, post_forward, end_forward, each timed
 around its call (no sync: host time; SYNC=1: the device synchronized before each, untimed, so a part's time is its own
-work, not a wait for earlier queued work; NEW=n: n new tokens per request, default 33). Usage: [SYNC=1] [NEW=n] python3
-gpu/probe_tf_parts.py [cuda|cpu] [1b|tiny] [batch]
-[prompt]. Each part is reported separately for the decode steps (the benchmark's) and the mixed ones (prefill
-chunks)."""
+work, not a wait for earlier queued work; NEW=n: n new tokens per request, default 33). Each part is reported
+separately for the decode steps (the benchmark's) and the mixed ones (prefill chunks).
+Usage: [SYNC=1] [NEW=n] python3 gpu/probe_tf_parts.py [cuda|cpu] [1b|tiny] [batch] [prompt]"""
 
 import os
 import statistics

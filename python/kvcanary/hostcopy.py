@@ -68,7 +68,7 @@ class StagedRows:
     on the current stream before it (stream order protects it)."""
 
     def __init__(self, rows: int, width: int, device: torch.device) -> None:
-        self.rows, self.width = rows, width
+        self.width = width
         self._dev = torch.zeros((rows, width), dtype=torch.int64, device=device)
         cuda = device.type == "cuda"
         self._host = torch.zeros((rows, width), dtype=torch.int64, pin_memory=True) if cuda else self._dev

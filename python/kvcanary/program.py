@@ -288,6 +288,9 @@ def run(ops: Sequence[Op], table: torch.Tensor, shape: Shape) -> None:
 GraphKey = tuple[int, Shape, int, tuple[int, ...], torch.dtype]
 
 
+CAPTURE_AFTER = 16  # EagerGraphs: the run of a (stage, shape, slot table) that captures it
+
+
 class EagerGraphs:
     """The eager stages on CUDA as one graph launch each. A stage's native sequence launches its kernels one by one
     (about 4 µs of host time each); captured once, the same kernels with the same arguments run from one graph launch.
@@ -299,7 +302,7 @@ class EagerGraphs:
     so a graph never runs with another table. A capture that fails turns the graphs off for this program (logged
     once): the stages then run directly, as with ``CanaryConfig(eager_graphs=False)``."""
 
-    def __init__(self, device: torch.device, capture_after: int = 16, max_graphs: int = 64) -> None:
+    def __init__(self, device: torch.device, capture_after: int = CAPTURE_AFTER, max_graphs: int = 64) -> None:
         self.enabled = True
         self.capture_after, self.max_graphs = capture_after, max_graphs
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}

@@ -157,7 +157,7 @@ def test_clean_under_memory_pressure(llama: Any, over: dict[str, Any]) -> None:
 
 def test_evictions_of_nothing_change_nothing(llama: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under its safety margin transformers tries an eviction every step. A try that evicts nothing changes nothing,
-    so the hashes are not rescanned (and the export not rebuilt) for it: fewer scans than tries, still clean."""
+    so the hashes are not rescanned for it: fewer scans than tries, still clean, and the wrappers' time counted."""
     from transformers.generation.continuous_batching.cache import PagedAttentionCache as cache_cls
     tries, scans = [0], [0]
     evict, forget = cache_cls.evict_cached_blocks, kt.HFPoolAdapter.forget_hashes
