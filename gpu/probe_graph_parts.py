@@ -43,9 +43,11 @@ def main() -> None:
     names = sys.argv[1:] or ["decode bs1 pre512", "decode bs64 pre256"]
     out = {}
     for name in names:
-        kind, bs, pre, *rest = name.split()  # e.g. "decode bs1 pre512", "swa bs128 pre10240 K+V"
+        # e.g. "decode bs1 pre512", "swa bs128 pre10240 K+V", "extend bs1 pre0 ext4096"
+        kind, bs, pre, *rest = name.split()
+        ext = next((int(r[3:]) for r in rest if r.startswith("ext")), 1)
         swa = kind == "swa"
-        sc = Scenario(name, int(bs[2:]), int(pre[3:]), 1, halves=2 if "K+V" in rest else 1, swa=swa,
+        sc = Scenario(name, int(bs[2:]), int(pre[3:]), ext, halves=2 if "K+V" in rest else 1, swa=swa,
                       window=128 if swa else 0, seal=False)
         st = State(sc)
         o = ops(st)

@@ -67,6 +67,23 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # 54788c3
     "w_kv_seq": [(CW, SEEDS, ""), (CW, "    const WriteSeed seed = h == 0 ? seeds[0] : seeds[1];",
                                    "    const WriteSeed seed = write_seed_value(a, row, h);")],
+    # the look-back write (an extend: several tiles with a workspace), timing only (results may be wrong):
+    # each tile is its block index, no ticket atomic
+    "x_noticket": [(W, "      s_ws[0] = static_cast<int64_t>(atomicAdd(reinterpret_cast<unsigned long long*>(ws.data + "
+                       "kWsTicket), 1ULL));", "      s_ws[0] = blockIdx.x;")],
+    # no look-back and no own reduction: a tile's first segment starts from the identity
+    "x_nolookback": [(W, "      if (first_j > 0 && ws.data != nullptr) {  // block-uniform",
+                      "      if (first_j > 0 && ws.data != nullptr && blockIdx.x > 100000) {"),
+                     (W, "      } else if (first_j > 0) {", "      } else if (first_j > 0 && ws.data == nullptr) {")],
+    # no structural check (its table load)
+    "x_nostruct": [(CW, "  if (!write_check(a, WriteCheck::STRUCTURAL) || e.loc < 0) return;", "  return;")],
+    # the closing block sum skipped (thread 0 flushes its own tally)
+    "x_nosum": [(W, "  block_sum_to_thread0<kWriteThreads, 3 * MAX_HALVES>(counts, s_reduce);\n", "")],
+    # 512-token tiles (two items per thread) on the look-back path
+    "x_tile512": [(W, "    const int64_t grid = blocks(kWriteThreads);\n    go(write_kernel<1, false>, grid, "
+                      "kWriteThreads, ws_for(grid, kWriteThreads));",
+                   "    const int64_t grid = blocks(2 * kWriteThreads);\n    go(write_kernel<2, false>, grid, "
+                   "2 * kWriteThreads, ws_for(grid, 2 * kWriteThreads));")],
 }
 
 
