@@ -8,8 +8,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from kvcanary.program import CAPTURE_AFTER
@@ -36,6 +37,7 @@ PARTS: list[tuple[str, dict[str, Any], float]] = [
     ("defaults, a rolling-sweep slice every step", {"sweep_roll_interval": 1}, 2.0),
 ]
 PAGE = 16
+T = TypeVar("T")
 
 
 def build_model(cfg: dict[str, Any], device: str, dtype: torch.dtype) -> Any:
@@ -59,25 +61,36 @@ class StepTimer:
     """Times every generation step as transformers' loop runs it (synchronized): the loop body that prepared, ran and
     updated a batch, so every kvcanary wrapper of the step (the bracket, the batch snapshot, the block lifecycle) is
     inside the timed region. The processor's own ``_generation_step`` would not do: the canary wraps it per instance,
-    outside a class-level timer. Loop turns that found no batch are not steps."""
+    outside a class-level timer. Loop turns that found no batch are not steps.
 
-    def __init__(self, device: str) -> None:
+    ``canary`` (set per run; None: no canary) reads kvcanary's cumulative host µs; each step's share is kept in
+    ``canary_us``, read outside the timed region. ``markers``: each loop turn is bracketed on the GPU timeline by two
+    ``torch.cuda._sleep`` kernels (:data:`MARK`), each launched on an idle device, for :func:`timeline_steps`."""
+
+    def __init__(self, device: str, markers: bool = False) -> None:
         from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
-        self.cls, self.device = ContinuousBatchingManager, device
+        self.cls, self.device, self.markers = ContinuousBatchingManager, device, markers
         self.orig = ContinuousBatchingManager._generation_loop_body
         self.steps: list[float] = []
+        self.canary_us: list[float] = []
+        self.canary: Callable[[], int] | None = None
 
     def __enter__(self) -> StepTimer:
-        orig, steps, sync = self.orig, self.steps, self._sync
+        orig, steps, sync, mark = self.orig, self.steps, self._sync, self._mark
 
         def timed(mgr: Any, batch_processor: Any, bootstrapping: bool) -> bool:
             sync()
+            mark()
+            c0 = self.canary() if self.canary is not None else 0
             before, t = mgr.current_batch, time.perf_counter()
             out: bool = orig(mgr, batch_processor, bootstrapping)
+            sync()
+            dt = time.perf_counter() - t
+            mark()
             if mgr.current_batch != before:
-                sync()
-                steps.append(time.perf_counter() - t)
+                steps.append(dt)
+                self.canary_us.append(float(self.canary() - c0) if self.canary is not None else 0.0)
             return out
         self.cls._generation_loop_body = timed
         return self
@@ -88,6 +101,41 @@ class StepTimer:
     def _sync(self) -> None:
         if self.device == "cuda":
             torch.cuda.synchronize()
+
+    def _mark(self) -> None:
+        if self.markers:
+            torch.cuda._sleep(10)
+            torch.cuda.synchronize()
+
+
+MARK = "spin_kernel"  # torch.cuda._sleep's kernel
+
+
+def timeline_steps(events: Any) -> list[dict[str, float]]:
+    """Per loop turn that ran GPU work, from a torch.profiler's CUDA events of a run under ``StepTimer(markers=True)``:
+    the turn's span between its markers (wall time, µs), the GPU's busy time in it (union of kernel and copy
+    intervals), kvcanary's kernels' summed time and their count."""
+    gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    marks = [(a, b) for a, b, n in gpu if MARK in n]
+    rows = []
+    for (_, t0), (t1, _) in zip(marks[0::2], marks[1::2], strict=False):
+        inside = [(a, b, n) for a, b, n in gpu if a >= t0 and b <= t1 and MARK not in n]
+        if not inside:
+            continue  # a loop turn that ran no batch
+        canary = [b - a for a, b, n in inside if "kvcanary" in n]
+        rows.append({"wall_us": t1 - t0, "gpu_busy_us": _union_us([(a, b) for a, b, _ in inside]),
+                     "canary_gpu_us": sum(canary), "canary_kernels": float(len(canary))})
+    return rows
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def run_once(model: Any, ps: list[list[int]], new_tokens: int, timer: StepTimer,
@@ -104,9 +152,13 @@ def run_once(model: Any, ps: list[list[int]], new_tokens: int, timer: StepTimer,
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     n = len(timer.steps)
     out = model.generate_batch(ps, generation_config=gen, continuous_batching_config=cb, warmup=False)
-    steps = timer.steps[n:]
-    decode = steps[-(new_tokens - 1):]  # the last new_tokens - 1 steps decode every row; earlier ones prefill
-    return decode[skip:], [r.generated_tokens for r in out.values()]
+    return decode_steps(timer.steps[n:], new_tokens, skip), [r.generated_tokens for r in out.values()]
+
+
+def decode_steps(per_step: list[T], new_tokens: int, skip: int) -> list[T]:
+    """The decode steps' entries of one run's per-step values: the last ``new_tokens - 1`` steps decode every row
+    (earlier ones prefill), less the first ``skip``."""
+    return per_step[-(new_tokens - 1):][skip:]
 
 
 def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, device: str,
@@ -117,7 +169,13 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
     or slowest by up to 20 % on an H100 host). Verdict from the pairs (:func:`_verdict`): met only when their upper
     quartile and their spread are both within the target, missed when every pair is above it. ``skip``: decode steps
     dropped from the front of every run (the canary's eager stages run from CUDA graphs from the
-    ``program.CAPTURE_AFTER``-th run of a shape on, so skipping that many times the steady state)."""
+    ``program.CAPTURE_AFTER``-th run of a shape on, so skipping that many times the steady state).
+
+    The same runs also give each decode step's attributed overhead: kvcanary's host time in the step (its handle's
+    ``host_us``) against the rest of the step. On CUDA one more profiled run per config measures the GPU's busy share
+    of a decode step; where it is at most :data:`HOST_BOUND_BUSY_PCT` the step is host-bound, the canary's kernels
+    run in the GPU's idle time and its host time is its cost, so ``met`` is the attributed verdict (upper quartile of
+    the per-step values within the target). Otherwise ``met`` is the pairs' verdict."""
     from kvcanary.config import CanaryConfig
     from kvcanary.integrations import transformers as kt
 
@@ -126,17 +184,22 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
     rep_ms: dict[str, list[float]] = {n: [] for n in names}  # each repeat's median decode step
     host_ms: dict[str, list[float]] = {n: [] for n in names[1:]}
     life_ms: dict[str, list[float]] = {n: [] for n in names[1:]}  # the block lifecycle wrappers' host time
+    attributed: dict[str, list[float]] = {n: [] for n in names[1:]}  # per decode step: canary host / the rest, %
+    canary_ms: dict[str, list[float]] = {n: [] for n in names[1:]}  # per decode step: kvcanary's host time
     ref: list[list[int]] | None = None
     configs: list[tuple[str, dict[str, Any] | None]] = [("baseline", None)] + [(n, k) for n, k, _ in variants]
     with StepTimer(device) as timer:
         for rep in range(repeats + 1):  # repetition 0 warms up (allocator, kernels, backend load)
             for name, kwargs in configs[rep % len(configs):] + configs[:rep % len(configs)]:
                 handle = kt.install(model, CanaryConfig(mode="raise", **kwargs)) if kwargs is not None else None
+                timer.canary = None if handle is None else (lambda h=handle: h.host_us)
+                n0 = len(timer.steps)
                 try:
                     decode, out = run_once(model, ps, new_tokens, timer, skip)
                 finally:
                     if handle is not None:
                         handle.uninstall()
+                canary_us = decode_steps(timer.canary_us[n0:], new_tokens, skip)
                 ref = out if ref is None else ref
                 if out != ref:
                     raise RuntimeError(f"{name}: kvcanary changed the generated tokens")
@@ -150,19 +213,62 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
                     st = handle.stats
                     host_ms[name].append(1e-3 * st["bracket_us"] / st["forwards"])
                     life_ms[name].append(1e-3 * st["lifecycle_us"] / st["forwards"])
+                    attributed[name] += [100.0 * c / (1e6 * s - c) for s, c in zip(decode, canary_us, strict=True)]
+                    canary_ms[name] += [1e-3 * c for c in canary_us]
+    timeline = _timeline(model, ps, new_tokens, skip, configs) if device == "cuda" else {}
     med = statistics.median
     base = rep_ms["baseline"]
     spread = 100.0 * (max(base) - min(base)) / med(base)
     rows: list[dict[str, Any]] = [{"config": "baseline", "decode_step_ms": round(med(step_ms["baseline"]), 3),
-                                   "repeat_spread_pct": round(spread, 2)}]
+                                   "repeat_spread_pct": round(spread, 2), **timeline.get("baseline", {})}]
     for name, _, target in variants:
         pairs = sorted(100.0 * (v / b - 1.0) for v, b in zip(rep_ms[name], base, strict=True))
+        att = sorted(attributed[name])
+        gpu = timeline.get(name, {})
+        # the attribution holds where the GPU idles through most of the step: the canary's kernels then fit in the
+        # idle time and its host time adds to the step one for one
+        host_bound = gpu.get("gpu_busy_pct", 100.0) <= HOST_BOUND_BUSY_PCT
+        met_pairs, met_att = _verdict(pairs, target), _quartiles(att)[1] <= target
         rows.append({"config": name, "decode_step_ms": round(med(step_ms[name]), 3),
                      "overhead_pct": round(med(pairs), 2), "pair_overheads_pct": [round(p, 2) for p in pairs],
-                     "target_pct": target, "met": _verdict(pairs, target),
+                     "attributed_overhead_pct": round(med(att), 3),
+                     "attributed_upper_quartile_pct": round(_quartiles(att)[1], 3),
+                     "canary_host_ms_per_step": round(med(canary_ms[name]), 3),
+                     "target_pct": target, "met_pairs": met_pairs, "met_attributed": met_att if host_bound else None,
+                     "met": met_att if host_bound else met_pairs,
                      "bracket_host_ms": round(med(host_ms[name]), 3),
-                     "lifecycle_host_ms": round(med(life_ms[name]), 3)})
+                     "lifecycle_host_ms": round(med(life_ms[name]), 3), **gpu})
     return {"rows": rows, "decode_steps_per_config": len(step_ms["baseline"])}
+
+
+# a step whose GPU is busy at most this share of its wall time is host-bound (the attribution's condition)
+HOST_BOUND_BUSY_PCT = 50.0
+
+
+def _timeline(model: Any, ps: list[list[int]], new_tokens: int, skip: int,
+              configs: list[tuple[str, dict[str, Any] | None]]) -> dict[str, dict[str, float]]:
+    """One more run per config under torch.profiler (CUDA activity): the decode steps' GPU busy share of their wall
+    time and kvcanary's kernels per step, medians (:func:`timeline_steps`)."""
+    from kvcanary.config import CanaryConfig
+    from kvcanary.integrations import transformers as kt
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict[str, dict[str, float]] = {}
+    with StepTimer("cuda", markers=True) as timer:
+        for name, kwargs in configs:
+            handle = kt.install(model, CanaryConfig(mode="raise", **kwargs)) if kwargs is not None else None
+            try:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    run_once(model, ps, new_tokens, timer)
+            finally:
+                if handle is not None:
+                    handle.uninstall()
+            rows = decode_steps(timeline_steps(prof.events()), new_tokens, skip)
+            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            out[name] = {"gpu_busy_pct": round(100.0 * med["gpu_busy_us"] / med["wall_us"], 2),
+                         "canary_gpu_us_per_step": round(med["canary_gpu_us"], 1),
+                         "canary_kernels_per_step": med["canary_kernels"]}
+    return out
 
 
 def _verdict(pairs: list[float], target: float) -> bool | None:
@@ -213,7 +319,9 @@ def main() -> None:
            "model": cfg, "params": sum(p.numel() for p in model.parameters()), "dtype": str(dtype),
            "page_size": PAGE, "note": "decode-step time of transformers continuous batching (sdpa paged cache, no "
            "CUDA graphs): each loop step that ran a batch, canary wrappers included, synchronized; overhead = median "
-           "over repeats of the variant's median step against the same repeat's baseline", **res}
+           "over repeats of the variant's median step against the same repeat's baseline; attributed overhead = per "
+           "decode step, kvcanary's host time (bracket, batch snapshot, block lifecycle) against the rest of the "
+           "step, the verdict where the profiled GPU busy share shows the step host-bound", **res}
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -1,10 +1,16 @@
-"""The transformers benchmark's verdict from paired repeats: hand-computed cases (noise must never produce a met)."""
+"""The transformers benchmark's verdicts: paired repeats (hand-computed cases; noise must never produce a met) and the
+profiled timeline's steps (hand-built events, the busy union against a brute-force count)."""
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import dataclass
 
-from bench.bench_transformers import _quartiles, _verdict
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bench.bench_transformers import MARK, _quartiles, _union_us, _verdict, timeline_steps
 
 
 @pytest.mark.parametrize(("pairs", "target", "met"), [
@@ -25,3 +31,40 @@ def test_quartiles_of_sorted_pairs() -> None:
     assert _quartiles([1.0, 2.0, 3.0]) == (1.0, 3.0)
     lo, hi = _quartiles([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
     assert lo == pytest.approx(2.25) and hi == pytest.approx(6.75)
+
+
+@dataclass
+class _Range:
+    start: float
+    end: float
+
+
+@dataclass
+class _Event:
+    name: str
+    time_range: _Range
+    device_type: torch.autograd.DeviceType = torch.autograd.DeviceType.CUDA
+
+
+def _ev(name: str, a: float, b: float, cpu: bool = False) -> _Event:
+    dt = torch.autograd.DeviceType.CPU if cpu else torch.autograd.DeviceType.CUDA
+    return _Event(name, _Range(a, b), dt)
+
+
+def test_timeline_steps_between_markers() -> None:
+    """Two turns with work and one without: spans between the markers, busy = union of the overlapping kernels, the
+    canary's kernels summed; a CPU event and the markers themselves are not work."""
+    events = [_ev(MARK, 0, 1), _ev("gemm", 2, 4), _ev("void kvcanary::write_kernel<1>", 3, 5), _ev("copy", 6, 7),
+              _ev("host op", 2, 9, cpu=True), _ev(MARK, 10, 11),
+              _ev(MARK, 20, 21), _ev(MARK, 22, 23),  # a turn that ran no batch
+              _ev(MARK, 30, 31), _ev("kvcanary::plan", 32, 33), _ev("kvcanary::verify", 33, 36), _ev(MARK, 40, 41)]
+    rows = timeline_steps(events)
+    assert rows == [{"wall_us": 9, "gpu_busy_us": 4, "canary_gpu_us": 2, "canary_kernels": 1},
+                    {"wall_us": 9, "gpu_busy_us": 4, "canary_gpu_us": 4, "canary_kernels": 2}]
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), max_size=12))
+def test_union_counts_each_busy_unit_once(spans: list[tuple[int, int]]) -> None:
+    intervals = [(float(a), float(a + d)) for a, d in spans]
+    covered = {u for a, d in spans for u in range(a, a + d)}
+    assert _union_us(intervals) == len(covered)

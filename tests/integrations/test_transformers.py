@@ -177,7 +177,9 @@ def test_evictions_of_nothing_change_nothing(llama: Any, monkeypatch: pytest.Mon
                              continuous_batching_config=cb_config(64, num_blocks=16), warmup=False)
     assert handle.total_violations == 0 and handle.stats["evictions"] >= 1
     assert tries[0] > handle.stats["evictions"] and scans[0] < tries[0], (tries, scans, handle.stats)
-    assert handle.stats["lifecycle_us"] > 0  # the wrappers' own host time, outside the bracket
+    st = handle.stats  # the wrappers' own host time, outside the bracket, and the total
+    assert st["lifecycle_us"] > 0 and st["snapshot_us"] > 0 and st["bracket_us"] > 0
+    assert handle.host_us == st["bracket_us"] + st["snapshot_us"] + st["lifecycle_us"]
 
 
 def test_clean_fork_copies_records(llama: Any, prompts: list[list[int]]) -> None:

@@ -45,6 +45,10 @@ _REQUIRED = (
 )
 
 
+# the stats keys of kvcanary's own host time on the generation thread (TransformersCanary.host_us)
+HOST_TIME_KEYS = ("bracket_us", "snapshot_us", "lifecycle_us")
+
+
 class TransformersIntegrationError(KVCanaryError, RuntimeError):
     """transformers is missing, of another version, or configured in a way kvcanary cannot guard."""
 
@@ -461,10 +465,15 @@ class _Session:
 
     def _wrap_prepare(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def prepare_batch_tensors(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
             batch = _Batch.of(kwargs["requests_in_batch"] if "requests_in_batch" in kwargs else args[0])
+            t1 = time.perf_counter()
             out = orig(*args, **kwargs)
+            t2 = time.perf_counter()
             # warmup batches (graphs/compile) run fake requests outside the generation step; a reset follows them
             self.pending = None if any(i.startswith("__warmup_") for i in batch.ids) else batch
+            # the batch snapshot's host time (canary time outside the bracket, like the lifecycle wrappers')
+            self.stats["snapshot_us"] += int(1e6 * (time.perf_counter() - t2 + t1 - t0))
             return out
         return prepare_batch_tensors
 
@@ -672,6 +681,14 @@ class TransformersCanary:
                 except RuntimeError:
                     continue
         return out
+
+    @property
+    def host_us(self) -> int:
+        """kvcanary's host time so far on transformers' generation thread, µs: the forward bracket, the batch snapshot
+        and the block lifecycle wrappers (``stats`` keys :data:`HOST_TIME_KEYS`). The KV-write hook inside the forward
+        (a counter and a pointer compare per layer) is not timed."""
+        st = self.stats
+        return sum(st[k] for k in HOST_TIME_KEYS)
 
     @property
     def canaries(self) -> list[CanaryManager]:
