@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -200,6 +201,8 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
                     if handle is not None:
                         handle.uninstall()
                 canary_us = decode_steps(timer.canary_us[n0:], new_tokens, skip)
+                print(f"repeat {rep} {name}: decode step median {1e3 * statistics.median(decode):.2f} ms",
+                      file=sys.stderr, flush=True)
                 ref = out if ref is None else ref
                 if out != ref:
                     raise RuntimeError(f"{name}: kvcanary changed the generated tokens")
@@ -215,7 +218,8 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
                     life_ms[name].append(1e-3 * st["lifecycle_us"] / st["forwards"])
                     attributed[name] += [100.0 * c / (1e6 * s - c) for s, c in zip(decode, canary_us, strict=True)]
                     canary_ms[name] += [1e-3 * c for c in canary_us]
-    timeline = _timeline(model, ps, new_tokens, skip, configs) if device == "cuda" else {}
+    # a shorter run: the profiler's events of a whole run take longer to read than the run itself
+    timeline = _timeline(model, ps, skip + TIMELINE_STEPS + 1, skip, configs) if device == "cuda" else {}
     med = statistics.median
     base = rep_ms["baseline"]
     spread = 100.0 * (max(base) - min(base)) / med(base)
@@ -243,6 +247,7 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
 
 # a step whose GPU is busy at most this share of its wall time is host-bound (the attribution's condition)
 HOST_BOUND_BUSY_PCT = 50.0
+TIMELINE_STEPS = 8  # decode steps past the skipped ones in each profiled run
 
 
 def _timeline(model: Any, ps: list[list[int]], new_tokens: int, skip: int,
