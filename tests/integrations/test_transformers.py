@@ -755,3 +755,20 @@ def test_decode_steps_reuse_the_export(llama: Any, prompts: list[list[int]], mon
         run_manager(llama, prompts[:2], max_new_tokens=24)
     assert handle.total_violations == 0
     assert counts["export"] >= 24 and counts["build"] <= counts["export"] // 2, counts
+
+
+def test_benchmark_attributes_the_canary_host_time_per_step() -> None:
+    """bench_transformers on a tiny CPU model: every canary config's rows carry its per-step host time and the
+    attributed overhead, from the handle's ``host_us`` (no profiled timeline on CPU: the verdict is the pairs')."""
+    from bench.bench_transformers import LLAMA_TINY, VARIANTS, build_model, measure
+    from bench.bench_transformers import prompts as bench_prompts
+
+    model = build_model(LLAMA_TINY, "cpu", torch.float32)
+    res = measure(model, bench_prompts(4, 24, LLAMA_TINY["vocab_size"]), 6, 1, "cpu", VARIANTS)
+    rows = {r["config"]: r for r in res["rows"]}
+    assert set(rows) == {"baseline", *(name for name, _, _ in VARIANTS)} and res["decode_steps_per_config"] == 5
+    for name, _, target in VARIANTS:
+        r = rows[name]
+        assert r["canary_host_ms_per_step"] > 0 and r["attributed_overhead_pct"] > 0, r
+        assert r["attributed_upper_quartile_pct"] >= r["attributed_overhead_pct"] and r["target_pct"] == target
+        assert r["met_attributed"] is None and r["met"] is r["met_pairs"] and "gpu_busy_pct" not in r
