@@ -1,5 +1,5 @@
 """hostcopy: host arrays packed into one copy, staged rows, and a paged prefix cache's export (hand vectors, and on
-random blocks against the slots built on the host), and two exports joined."""
+random blocks against the slots built on the host)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcanary.adapter import PrefixCacheExport
 from kvcanary.errors import CanaryInputError
-from kvcanary.hostcopy import StagedRows, export_of_blocks, joined_exports, packed
+from kvcanary.hostcopy import StagedRows, export_of_blocks, packed
 from kvcanary_schema import NO_SLOT
 
 
@@ -53,40 +52,6 @@ def test_export_slots_are_each_blocks_page(blocks: list[int], page: int) -> None
     e.validate(torch.device("cpu"))
     assert e.slots.tolist() == [s for x in blocks for s in range(x * page, (x + 1) * page)]
     assert e.starts.tolist() == list(range(0, n * page, page)) and e.lens.tolist() == [page] * n
-
-
-def _export(blocks: list[int], page: int) -> PrefixCacheExport:
-    """The export of ``blocks`` (first positions, parents and cached flags derived from the block ids)."""
-    b = np.array(blocks, dtype=np.int64).reshape(-1)
-    return export_of_blocks(b, 3 * b, b - 1, page, b % 3 == 0, torch.device("cpu"))
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(1, 10_000), max_size=40, unique=True), st.integers(0, 40), st.sampled_from([1, 2, 16]))
-def test_joined_exports_are_the_export_of_both(blocks: list[int], cut: int, page: int) -> None:
-    """Joining the export of a list's front and of its back is the export of the whole list, field by field; the
-    inputs stay as they were."""
-    head, tail = _export(blocks[:cut], page), _export(blocks[cut:], page)
-    head_slots = head.slots.clone()
-    j, whole = joined_exports(head, tail), _export(blocks, page)
-    j.validate(torch.device("cpu"))
-    for f in ("slots", "starts", "lens", "first_positions", "prev_slots", "unlocked"):
-        assert torch.equal(getattr(j, f), getattr(whole, f)), f
-    assert j.expect_end is None and j.holders is None and torch.equal(head.slots, head_slots)
-
-
-def test_joined_exports_keep_optional_fields_and_refuse_mixed_ones() -> None:
-    """expect_end and holders are joined where both carry them; an export with a field and one without are refused."""
-    a, b = _export([4, 7], 2), _export([9], 2)
-    a2 = PrefixCacheExport(a.slots, a.starts, a.lens, a.first_positions, a.prev_slots, a.unlocked,
-                           torch.tensor([11, 12]), [("r1",), ()])
-    b2 = PrefixCacheExport(b.slots, b.starts, b.lens, b.first_positions, b.prev_slots, b.unlocked,
-                           torch.tensor([13]), [("r2", "r3")])
-    j = joined_exports(a2, b2)
-    assert j.expect_end is not None and j.expect_end.tolist() == [11, 12, 13]
-    assert list(j.holders or ()) == [("r1",), (), ("r2", "r3")] and j.starts.tolist() == [0, 2, 4]
-    with pytest.raises(CanaryInputError, match="same optional fields"):
-        joined_exports(a2, b)
 
 
 def staged_rows_round_trip(device: torch.device) -> None:

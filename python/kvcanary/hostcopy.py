@@ -54,24 +54,6 @@ def export_of_blocks(blocks: np.ndarray, first_positions: np.ndarray, parents: n
     return PrefixCacheExport(slots, starts_d, lens, first, prev_d, flags)
 
 
-def joined_exports(head: PrefixCacheExport, tail: PrefixCacheExport) -> PrefixCacheExport:
-    """``head``'s chains then ``tail``'s, back to back (``tail``'s starts moved past ``head``'s slots): a new export,
-    neither input changed. Optional fields are joined where both have them and dropped where neither does."""
-    if (head.unlocked is None) != (tail.unlocked is None) or (head.expect_end is None) != (tail.expect_end is None) \
-            or (head.holders is None) != (tail.holders is None):
-        raise CanaryInputError("joined exports must carry the same optional fields")
-    n = head.slots.shape[0]
-
-    def cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-        return None if a is None or b is None else torch.cat((a, b))
-    return PrefixCacheExport(torch.cat((head.slots, tail.slots)), torch.cat((head.starts, tail.starts + n)),
-                             torch.cat((head.lens, tail.lens)), torch.cat((head.first_positions, tail.first_positions)),
-                             torch.cat((head.prev_slots, tail.prev_slots)), cat(head.unlocked, tail.unlocked),
-                             cat(head.expect_end, tail.expect_end),
-                             None if head.holders is None or tail.holders is None
-                             else [*head.holders, *tail.holders])
-
-
 @functools.cache
 def _page_offsets(page: int, device: torch.device) -> torch.Tensor:
     """0 .. page-1 on ``device`` (int64), made once."""

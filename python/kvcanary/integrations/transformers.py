@@ -21,7 +21,7 @@ from kvcanary_schema import DEFAULT_REQ_CAPACITY, NO_SLOT, Group
 from kvcanary.adapter import BatchView, GroupSpec, PoolDescription, PrefixCacheExport, copy_transfer
 from kvcanary.config import CanaryConfig, CanaryMode
 from kvcanary.errors import CanaryInputError, KVCanaryError
-from kvcanary.hostcopy import StagedRows, export_of_blocks, joined_exports
+from kvcanary.hostcopy import StagedRows, export_of_blocks
 from kvcanary.manager import CanaryManager
 from kvcanary.manager import install as install_manager
 from kvcanary.ops.slot_rows import bind_slot_rows
@@ -249,12 +249,10 @@ class HFPoolAdapter:
         self._parent = np.full(self.total_blocks, -1, dtype=np.int64)
         self._recorded = np.zeros(self.total_blocks, dtype=bool)
         self._hashed_upto: dict[str, int] = {}  # request -> leading blocks of its table already recorded
-        # the export of the last sweep and what it was built from: the block lifecycle calls touch() for every change
-        # but newly hashed blocks, so an unchanged cache hands the sweep the same (immutable) export object again, and
-        # one that only gained hashed blocks a new object of the last one's chains and theirs (self._added)
+        # the export of the last sweep and what it was built from: the block lifecycle calls touch(), so an unchanged
+        # cache hands the sweep the same (immutable) export object again
         self.version = 0
-        self._export: tuple[tuple[int, int], PrefixCacheExport] | None = None
-        self._added: list[int] = []  # blocks recorded since the export was made, in record order
+        self._export: tuple[tuple[int, int, int], PrefixCacheExport] | None = None
         self._warned_fallback = False
 
     # ------------------------------------------------------------------ pool description
@@ -371,13 +369,9 @@ class HFPoolAdapter:
             if h is None:
                 break
             b = bt[i]
-            had = self._hashes.get(b)
-            if had != h:
-                if had is not None:  # a recorded block hashed anew outside the wrappers' sight: rebuild the export
-                    self.touch()
+            if self._hashes.get(b) != h:
                 self._hashes[b] = h
                 self._first[b], self._parent[b], self._recorded[b] = i * self.page, bt[i - 1] if i else -1, True
-                self._added.append(b)
             i += 1
         self._hashed_upto[request_id] = i
 
@@ -394,38 +388,21 @@ class HFPoolAdapter:
         self.version += 1
 
     def prefix_cache_export(self) -> PrefixCacheExport | None:
-        """Every hashed block (live or cached) as a chain of ``page_size`` slots; ``unlocked`` = cached. Rebuilt when
-        the lifecycle touched the cache or the ledger moved without it; when blocks were only hashed since (a decode
-        completing blocks), the last export's chains and the new blocks'; else the same object."""
+        """Every hashed block (live or cached) as a chain of ``page_size`` slots; ``unlocked`` = cached. Rebuilt only
+        when the lifecycle touched the cache or the ledger's sizes moved (the same object otherwise)."""
         ledger = self.alloc.ledger
-        key = (self.version, len(ledger.cached_blocks))
-        # the ledger registers every hash through mark_complete_blocks (recorded) and drops them only where a wrapper
-        # touches: a count that differs means a path this integration does not see
-        if self._export is None or self._export[0] != key or len(self._hashes) != len(ledger.block_to_hash):
+        key = (self.version, len(ledger.block_to_hash), len(ledger.cached_blocks))
+        if self._export is None or self._export[0] != key:
             self._export = (key, self._build_export())
-        elif self._added:
-            self._export = (key, joined_exports(self._export[1], self._added_export()))
-        self._added.clear()
         return self._export[1]
-
-    def _added_export(self) -> PrefixCacheExport:
-        """The chains of the blocks recorded since the last export, as the full build would keep them (a parent
-        recorded: a block is recorded after its parent, and nothing was forgotten since, or the lifecycle touched)."""
-        rec = self._recorded
-        blocks = np.fromiter(self._added, dtype=np.int64, count=len(self._added))
-        blocks = blocks[rec[blocks]]
-        parents = self._parent[blocks]
-        keep = (parents < 0) | rec[np.maximum(parents, 0)]
-        blocks, parents = blocks[keep], parents[keep]
-        cached = self.alloc.ledger.cached_blocks
-        unlocked = np.fromiter((b in cached for b in blocks.tolist()), dtype=bool, count=blocks.shape[0])
-        return export_of_blocks(blocks, self._first[blocks], parents, self.page, unlocked, self.device)
 
     def _build_export(self) -> PrefixCacheExport:
         """The hashed blocks whose parent is hashed too, in block order, built on the host and moved in one copy (no
         stream sync)."""
         ledger = self.alloc.ledger
-        if len(self._hashes) != len(ledger.block_to_hash):  # see prefix_cache_export
+        # the ledger drops hashes only where the wrappers forget them (eviction, reset, a no-cache free), and every
+        # hash it registers is recorded: a count that differs means a path this integration does not see
+        if len(self._hashes) != len(ledger.block_to_hash):
             self.forget_hashes()
         rec = self._recorded
         blocks = np.flatnonzero(rec)
@@ -614,7 +591,8 @@ class _Session:
         return out
 
     def _on_mark_complete(self, out: Any, request_id: str, token_ids: list[int], new_new_blocks: int) -> Any:
-        self.adapter.on_blocks_hashed(request_id)  # newly hashed blocks join the next export without a rebuild
+        self.adapter.touch()
+        self.adapter.on_blocks_hashed(request_id)
         return out
 
     def _on_copy(self, out: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> Any:
