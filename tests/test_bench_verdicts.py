@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.bench_transformers import MARK, _quartiles, _union_us, _verdict, timeline_steps
+from bench.bench_transformers import MARK, _combined, _quartiles, _union_us, _verdict, timeline_steps
 
 
 @pytest.mark.parametrize(("pairs", "target", "met"), [
@@ -25,6 +25,15 @@ from bench.bench_transformers import MARK, _quartiles, _union_us, _verdict, time
 ])
 def test_verdict(pairs: list[float], target: float, met: bool | None) -> None:
     assert _verdict(sorted(pairs), target) is met
+
+
+@pytest.mark.parametrize(("pairs", "lower_bound", "met"), [
+    (True, True, True), (None, True, None), (False, True, False),  # a bound within the target shows nothing met
+    (True, False, False), (None, False, False), (False, False, False),  # a bound over it is a miss
+    (True, None, True), (None, None, None), (False, None, False),  # no bound (not host-bound, or CPU): the pairs'
+])
+def test_combined_verdict(pairs: bool | None, lower_bound: bool | None, met: bool | None) -> None:
+    assert _combined(pairs, lower_bound) is met
 
 
 def test_quartiles_of_sorted_pairs() -> None:
