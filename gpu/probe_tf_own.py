@@ -1,0 +1,72 @@
+"""Probe: does kvcanary slow transformers' own code? transformers' parts of each decode step (prepare_next_batch,
+_generation_step, update_batch), each less the canary's host time inside it (``TransformersCanary.host_us``), for the
+baseline and the canary configs in alternating runs, medians over the steady decode steps (past the 16th); each run's
+line printed as it ends. Usage: python3 gpu/probe_tf_own.py [cuda|cpu] [1b|tiny] [batch] [prompt] [new] [repeats]"""
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from kvcanary.config import CanaryConfig
+from kvcanary.integrations import transformers as kt
+from kvcanary.program import CAPTURE_AFTER
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+
+from bench.bench_transformers import LLAMA_1B, LLAMA_TINY, StepTimer, build_model, prompts, run_once
+
+PARTS = ("prepare_next_batch", "_generation_step", "update_batch")
+handle: list[Any] = [None]
+own: dict[str, list[float]] = {}
+
+
+def canary_us() -> int:
+    return handle[0].host_us if handle[0] is not None else 0
+
+
+def timed(name: str) -> None:
+    orig = getattr(ContinuousBatchProcessor, name)
+
+    def run(self: Any, *a: Any, **k: Any) -> Any:
+        c0 = canary_us()
+        t = time.perf_counter()
+        out = orig(self, *a, **k)
+        dt = time.perf_counter() - t
+        own.setdefault(name, []).append(1e6 * dt - (canary_us() - c0))
+        return out
+    setattr(ContinuousBatchProcessor, name, run)
+
+
+def main() -> None:
+    dev = sys.argv[1] if len(sys.argv) > 1 else "cuda"
+    cfg = LLAMA_1B if (sys.argv[2] if len(sys.argv) > 2 else "1b") == "1b" else LLAMA_TINY
+    bs, plen, new, reps = (int(x) for x in (sys.argv[3:7] if len(sys.argv) > 6 else (32, 1024, 41, 2)))
+    for name in PARTS:  # before install: the canary's per-instance wrapper of _generation_step calls this one
+        timed(name)
+    model = build_model(cfg, dev, torch.bfloat16 if dev == "cuda" else torch.float32)
+    ps = prompts(bs, plen, cfg["vocab_size"])
+    configs: list[tuple[str, dict[str, Any] | None]] = [
+        ("baseline", None), ("fingerprint none", {"fingerprint": "none"}), ("defaults", {})]
+    with StepTimer(dev) as timer:
+        for rep in range(reps + 1):  # repeat 0 warms up
+            for name, kwargs in configs[rep % 3:] + configs[:rep % 3]:
+                handle[0] = kt.install(model, CanaryConfig(mode="raise", **kwargs)) if kwargs is not None else None
+                own.clear()
+                n0 = len(timer.canary_us)
+                timer.canary = None if handle[0] is None else (lambda h=handle[0]: h.host_us)
+                try:
+                    steps, _ = run_once(model, ps, new, timer, CAPTURE_AFTER)
+                finally:
+                    if handle[0] is not None:
+                        handle[0].uninstall()
+                    handle[0] = None
+                canary = timer.canary_us[n0:][-len(steps):]
+                parts = {p: statistics.median(v[-len(steps):]) for p, v in own.items()}
+                print(f"repeat {rep} {name:16s} step {1e3 * statistics.median(steps):8.2f} ms  canary "
+                      f"{statistics.median(canary):7.1f} us  " + "  ".join(f"{p} {v:8.1f}" for p, v in parts.items()),
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
