@@ -119,6 +119,8 @@ def timeline_steps(events: Any) -> list[dict[str, float]]:
     gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
                  if e.device_type == torch.autograd.DeviceType.CUDA)
     marks = [(a, b) for a, b, n in gpu if MARK in n]
+    if len(marks) % 2:  # two per loop turn: an odd count means lost events, and every later pair would be wrong
+        raise RuntimeError(f"{len(marks)} step markers in the profile: the profiler lost events")
     rows = []
     for (_, t0), (t1, _) in zip(marks[0::2], marks[1::2], strict=False):
         inside = [(a, b, n) for a, b, n in gpu if a >= t0 and b <= t1 and MARK not in n]

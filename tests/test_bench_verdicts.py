@@ -72,6 +72,11 @@ def test_timeline_steps_between_markers() -> None:
                     {"wall_us": 9, "gpu_busy_us": 4, "canary_gpu_us": 4, "canary_kernels": 2}]
 
 
+def test_timeline_steps_refuse_an_unpaired_marker() -> None:
+    with pytest.raises(RuntimeError, match="3 step markers"):
+        timeline_steps([_ev(MARK, 0, 1), _ev("gemm", 2, 4), _ev(MARK, 10, 11), _ev(MARK, 20, 21)])
+
+
 @given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), max_size=12))
 def test_union_counts_each_busy_unit_once(spans: list[tuple[int, int]]) -> None:
     intervals = [(float(a), float(a + d)) for a, d in spans]
