@@ -48,6 +48,7 @@ def main() -> None:
     ps = prompts(bs, plen, cfg["vocab_size"])
     configs: list[tuple[str, dict[str, Any] | None]] = [
         ("baseline", None), ("fingerprint none", {"fingerprint": "none"}), ("defaults", {})]
+    summary: dict[str, dict[str, list[float]]] = {name: {} for name, _ in configs}
     with StepTimer(dev) as timer:
         for rep in range(reps + 1):  # repeat 0 warms up
             for name, kwargs in configs[rep % 3:] + configs[:rep % 3]:
@@ -66,6 +67,13 @@ def main() -> None:
                 print(f"repeat {rep} {name:16s} step {1e3 * statistics.median(steps):8.2f} ms  canary "
                       f"{statistics.median(canary):7.1f} us  " + "  ".join(f"{p} {v:8.1f}" for p, v in parts.items()),
                       flush=True)
+                if rep:
+                    for key, v in (("step", 1e6 * statistics.median(steps)), ("canary", statistics.median(canary)),
+                                   *parts.items()):
+                        summary[name].setdefault(key, []).append(v)
+    print("medians over the repeats, us per decode step:")
+    for name, vals in summary.items():
+        print(f"  {name:16s} " + "  ".join(f"{k} {statistics.median(v):9.1f}" for k, v in vals.items()))
 
 
 if __name__ == "__main__":
