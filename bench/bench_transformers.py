@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,6 +39,10 @@ PARTS: list[tuple[str, dict[str, Any], float]] = [
     ("defaults, a rolling-sweep slice every step", {"sweep_roll_interval": 1}, 2.0),
 ]
 PAGE = 16
+# a step whose GPU is busy at most this share of its wall time is host-bound (the attribution's condition)
+HOST_BOUND_BUSY_PCT = 50.0
+TIMELINE_STEPS = 8  # decode steps past the skipped ones in each profiled run
+Config = tuple[str, dict[str, Any] | None]  # (name, CanaryConfig kwargs; None: no canary, the baseline)
 T = TypeVar("T")
 
 
@@ -56,6 +61,26 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 1) -> list[list[int
     """``batch`` distinct random prompts of ``length`` tokens (no shared prefix: every step decodes ``batch`` rows)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+
+
+@contextlib.contextmanager
+def installed(model: Any, kwargs: dict[str, Any] | None) -> Iterator[Any]:
+    """kvcanary installed on ``model`` with ``CanaryConfig(mode="raise", **kwargs)`` for the block (None: nothing
+    installed, the baseline); yields the handle (or None), uninstalled on the way out."""
+    from kvcanary.config import CanaryConfig
+    from kvcanary.integrations import transformers as kt
+
+    handle = kt.install(model, CanaryConfig(mode="raise", **kwargs)) if kwargs is not None else None
+    try:
+        yield handle
+    finally:
+        if handle is not None:
+            handle.uninstall()
+
+
+def configs_of(variants: list[tuple[str, dict[str, Any], float]]) -> list[Config]:
+    """The baseline, then each variant's (name, kwargs)."""
+    return [("baseline", None)] + [(n, k) for n, k, _ in variants]
 
 
 class StepTimer:
@@ -180,9 +205,6 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
     run in the GPU's idle time and its host time adds to the step one for one: a lower bound of its cost, which does
     not see what it may cost transformers' own code. ``met_attributed``: that bound's upper quartile over the steps
     within the target. ``met`` (:func:`_combined`): missed when the bound is over the target, else the pairs'."""
-    from kvcanary.config import CanaryConfig
-    from kvcanary.integrations import transformers as kt
-
     names = ["baseline"] + [n for n, _, _ in variants]
     step_ms: dict[str, list[float]] = {n: [] for n in names}
     rep_ms: dict[str, list[float]] = {n: [] for n in names}  # each repeat's median decode step
@@ -191,18 +213,14 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
     attributed: dict[str, list[float]] = {n: [] for n in names[1:]}  # per decode step: canary host / the rest, %
     canary_ms: dict[str, list[float]] = {n: [] for n in names[1:]}  # per decode step: kvcanary's host time
     ref: list[list[int]] | None = None
-    configs: list[tuple[str, dict[str, Any] | None]] = [("baseline", None)] + [(n, k) for n, k, _ in variants]
+    configs = configs_of(variants)
     with StepTimer(device) as timer:
         for rep in range(repeats + 1):  # repetition 0 warms up (allocator, kernels, backend load)
             for name, kwargs in configs[rep % len(configs):] + configs[:rep % len(configs)]:
-                handle = kt.install(model, CanaryConfig(mode="raise", **kwargs)) if kwargs is not None else None
-                timer.canary = None if handle is None else (lambda h=handle: h.host_us)
                 n0 = len(timer.steps)
-                try:
+                with installed(model, kwargs) as handle:
+                    timer.canary = None if handle is None else (lambda h=handle: h.host_us)
                     decode, out = run_once(model, ps, new_tokens, timer, skip)
-                finally:
-                    if handle is not None:
-                        handle.uninstall()
                 canary_us = decode_steps(timer.canary_us[n0:], new_tokens, skip)
                 print(f"repeat {rep} {name}: decode step median {1e3 * statistics.median(decode):.2f} ms",
                       file=sys.stderr, flush=True)
@@ -248,29 +266,17 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
     return {"rows": rows, "decode_steps_per_config": len(step_ms["baseline"])}
 
 
-# a step whose GPU is busy at most this share of its wall time is host-bound (the attribution's condition)
-HOST_BOUND_BUSY_PCT = 50.0
-TIMELINE_STEPS = 8  # decode steps past the skipped ones in each profiled run
-
-
 def _timeline(model: Any, ps: list[list[int]], new_tokens: int, skip: int,
-              configs: list[tuple[str, dict[str, Any] | None]]) -> dict[str, dict[str, float]]:
+              configs: list[Config]) -> dict[str, dict[str, float]]:
     """One more run per config under torch.profiler (CUDA activity): the decode steps' GPU busy share of their wall
     time and kvcanary's kernels per step, medians (:func:`timeline_steps`)."""
-    from kvcanary.config import CanaryConfig
-    from kvcanary.integrations import transformers as kt
     from torch.profiler import ProfilerActivity, profile
 
     out: dict[str, dict[str, float]] = {}
     with StepTimer("cuda", markers=True) as timer:
         for name, kwargs in configs:
-            handle = kt.install(model, CanaryConfig(mode="raise", **kwargs)) if kwargs is not None else None
-            try:
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    run_once(model, ps, new_tokens, timer)
-            finally:
-                if handle is not None:
-                    handle.uninstall()
+            with installed(model, kwargs), profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run_once(model, ps, new_tokens, timer)
             rows = decode_steps(timeline_steps(prof.events()), new_tokens, skip)
             med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
             out[name] = {"gpu_busy_pct": round(100.0 * med["gpu_busy_us"] / med["wall_us"], 2),

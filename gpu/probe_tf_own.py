@@ -9,12 +9,20 @@ import time
 from typing import Any
 
 import torch
-from kvcanary.config import CanaryConfig
-from kvcanary.integrations import transformers as kt
 from kvcanary.program import CAPTURE_AFTER
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 
-from bench.bench_transformers import LLAMA_1B, LLAMA_TINY, StepTimer, build_model, prompts, run_once
+from bench.bench_transformers import (
+    LLAMA_1B,
+    LLAMA_TINY,
+    VARIANTS,
+    StepTimer,
+    build_model,
+    configs_of,
+    installed,
+    prompts,
+    run_once,
+)
 
 PARTS = ("prepare_next_batch", "_generation_step", "update_batch")
 handle: list[Any] = [None]
@@ -46,22 +54,18 @@ def main() -> None:
         timed(name)
     model = build_model(cfg, dev, torch.bfloat16 if dev == "cuda" else torch.float32)
     ps = prompts(bs, plen, cfg["vocab_size"])
-    configs: list[tuple[str, dict[str, Any] | None]] = [
-        ("baseline", None), ("fingerprint none", {"fingerprint": "none"}), ("defaults", {})]
+    configs = configs_of(VARIANTS)
     summary: dict[str, dict[str, list[float]]] = {name: {} for name, _ in configs}
     with StepTimer(dev) as timer:
         for rep in range(reps + 1):  # repeat 0 warms up
-            for name, kwargs in configs[rep % 3:] + configs[:rep % 3]:
-                handle[0] = kt.install(model, CanaryConfig(mode="raise", **kwargs)) if kwargs is not None else None
+            for name, kwargs in configs[rep % len(configs):] + configs[:rep % len(configs)]:
                 own.clear()
                 n0 = len(timer.canary_us)
-                timer.canary = None if handle[0] is None else (lambda h=handle[0]: h.host_us)
-                try:
+                with installed(model, kwargs) as h:
+                    handle[0] = h
+                    timer.canary = None if h is None else (lambda h=h: h.host_us)
                     steps, _ = run_once(model, ps, new, timer, CAPTURE_AFTER)
-                finally:
-                    if handle[0] is not None:
-                        handle[0].uninstall()
-                    handle[0] = None
+                handle[0] = None
                 canary = timer.canary_us[n0:][-len(steps):]
                 parts = {p: statistics.median(v[-len(steps):]) for p, v in own.items()}
                 print(f"repeat {rep} {name:16s} step {1e3 * statistics.median(steps):8.2f} ms  canary "

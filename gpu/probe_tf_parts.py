@@ -12,9 +12,8 @@ import sys
 import kvcanary.integrations.transformers as kt
 import kvcanary.manager as mg
 import torch
-from kvcanary.config import CanaryConfig
 
-from bench.bench_transformers import LLAMA_1B, LLAMA_TINY, StepTimer, build_model, prompts, run_once
+from bench.bench_transformers import LLAMA_1B, LLAMA_TINY, StepTimer, build_model, installed, prompts, run_once
 from bench.call_times import time_calls
 
 device = sys.argv[1] if len(sys.argv) > 1 else "cuda"
@@ -55,11 +54,8 @@ ps = prompts(batch, prompt, cfg["vocab_size"])
 with StepTimer(device) as timer:
     for _rep in range(2):
         times.clear()
-        handle = kt.install(model, CanaryConfig(mode="raise"))
-        try:
+        with installed(model, {}) as handle:
             decode, _ = run_once(model, ps, int(os.environ.get("NEW", "33")), timer)
-        finally:
-            handle.uninstall()
 print(f"{device} batch {batch} prompt {prompt}: decode step median {1e3 * statistics.median(decode):.2f} ms, "
       f"bracket host {1e-3 * handle.stats['bracket_us'] / handle.stats['forwards']:.3f} ms per step")
 for name, ts in sorted(times.items(), key=lambda kv: kv[0].endswith("[mixed]")):
