@@ -1,8 +1,10 @@
 """Probe: does kvcanary slow transformers' own code? transformers' parts of each decode step (prepare_next_batch,
 _generation_step, update_batch), each less the canary's host time inside it (``TransformersCanary.host_us``), for the
-baseline and the canary configs in alternating runs, medians over the steady decode steps (past the 16th); each run's
-line printed as it ends. Usage: python3 gpu/probe_tf_own.py [cuda|cpu] [1b|tiny] [batch] [prompt] [new] [repeats]"""
+baseline and the canary configs in alternating runs, medians over the steady decode steps (past the 16th); and the
+run's Python garbage collections (gen 2: count and ms). Each run's line printed as it ends.
+Usage: python3 gpu/probe_tf_own.py [cuda|cpu] [1b|tiny] [batch] [prompt] [new] [repeats]"""
 
+import gc
 import statistics
 import sys
 import time
@@ -27,6 +29,15 @@ from bench.bench_transformers import (
 PARTS = ("prepare_next_batch", "_generation_step", "update_batch")
 handle: list[Any] = [None]
 own: dict[str, list[float]] = {}
+gen2: list[float] = []  # this run's gen-2 collections, seconds each
+_gc_start = [0.0]
+
+
+def on_gc(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+    elif info["generation"] == 2:
+        gen2.append(time.perf_counter() - _gc_start[0])
 
 
 def canary_us() -> int:
@@ -52,6 +63,7 @@ def main() -> None:
     bs, plen, new, reps = (int(x) for x in (sys.argv[3:7] if len(sys.argv) > 6 else (32, 1024, 41, 2)))
     for name in PARTS:  # before install: the canary's per-instance wrapper of _generation_step calls this one
         timed(name)
+    gc.callbacks.append(on_gc)
     model = build_model(cfg, dev, torch.bfloat16 if dev == "cuda" else torch.float32)
     ps = prompts(bs, plen, cfg["vocab_size"])
     configs = configs_of(VARIANTS)
@@ -60,6 +72,7 @@ def main() -> None:
         for rep in range(reps + 1):  # repeat 0 warms up
             for name, kwargs in configs[rep % len(configs):] + configs[:rep % len(configs)]:
                 own.clear()
+                gen2.clear()
                 n0 = len(timer.canary_us)
                 with installed(model, kwargs) as h:
                     handle[0] = h
@@ -69,8 +82,8 @@ def main() -> None:
                 canary = timer.canary_us[n0:][-len(steps):]
                 parts = {p: statistics.median(v[-len(steps):]) for p, v in own.items()}
                 print(f"repeat {rep} {name:16s} step {1e3 * statistics.median(steps):8.2f} ms  canary "
-                      f"{statistics.median(canary):7.1f} us  " + "  ".join(f"{p} {v:8.1f}" for p, v in parts.items()),
-                      flush=True)
+                      f"{statistics.median(canary):7.1f} us  " + "  ".join(f"{p} {v:8.1f}" for p, v in parts.items())
+                      + f"  gen-2 collections {len(gen2)}, {1e3 * sum(gen2):.1f} ms", flush=True)
                 if rep:
                     for key, v in (("step", 1e6 * statistics.median(steps)), ("canary", statistics.median(canary)),
                                    *parts.items()):
