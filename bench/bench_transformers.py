@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,6 +45,8 @@ PAGE = 16
 # a step whose GPU is busy at most this share of its wall time is host-bound (the attribution's condition)
 HOST_BOUND_BUSY_PCT = 50.0
 TIMELINE_STEPS = 8  # decode steps past the skipped ones in each profiled run
+CI_TAIL = 0.025  # each tail of the distribution-free confidence interval of the pairs' median (95 %)
+TURN_TIMEOUT_S = 300.0  # a round-robin loop waiting longer than this for its turn raises (a run died)
 Config = tuple[str, dict[str, Any] | None]  # (name, CanaryConfig kwargs; None: no canary, the baseline)
 T = TypeVar("T")
 
@@ -103,35 +108,116 @@ class StepTimer:
         self.canary: Callable[[], int] | None = None
 
     def __enter__(self) -> StepTimer:
-        orig, steps, sync, mark = self.orig, self.steps, self._sync, self._mark
-
         def timed(mgr: Any, batch_processor: Any, bootstrapping: bool) -> bool:
-            sync()
-            mark()
-            c0 = self.canary() if self.canary is not None else 0
-            before, t = mgr.current_batch, time.perf_counter()
-            out: bool = orig(mgr, batch_processor, bootstrapping)
-            sync()
-            dt = time.perf_counter() - t
-            mark()
-            if mgr.current_batch != before:
-                steps.append(dt)
-                self.canary_us.append(float(self.canary() - c0) if self.canary is not None else 0.0)
-            return out
+            return _timed_turn(self.orig, mgr, batch_processor, bootstrapping, self.device, self.canary, self.steps,
+                               self.canary_us, self._mark)
         self.cls._generation_loop_body = timed
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.cls._generation_loop_body = self.orig
 
-    def _sync(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-
     def _mark(self) -> None:
         if self.markers:
             torch.cuda._sleep(10)
             torch.cuda.synchronize()
+
+
+class RoundRobin:
+    """Several models' continuous-batching runs (each ``generate_batch`` in its own thread), their generation loops
+    taking turns: one loop turn each per round, the order rotated every round. Every model's i-th step runs within
+    one round, so the host's drift (10-70 % between runs seconds apart on the GPU hosts) is common to a round's steps
+    and their pairs measure the canary, not the host. Each turn that ran a batch is timed (synchronized) into
+    ``steps[name]``, kvcanary's host µs in it into ``canary_us[name]`` (``canary[name]`` reads the handle's
+    cumulative count; None: no canary). No turn starts before every model's loop has joined."""
+
+    def __init__(self, device: str, models: dict[str, Any], canary: dict[str, Callable[[], int] | None]) -> None:
+        from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+        self.cls, self.device, self.canary = ContinuousBatchingManager, device, canary
+        self.orig = ContinuousBatchingManager._generation_loop_body
+        self.name_of = {id(m): n for n, m in models.items()}
+        self.steps: dict[str, list[float]] = {n: [] for n in models}
+        self.canary_us: dict[str, list[float]] = {n: [] for n in models}
+        self.cv = threading.Condition()
+        self.joined: set[str] = set()
+        self.order: list[str] = []  # the loops still running, in this round's order
+        self.turns: list[str] = []  # whose loop turn ran, in order (every turn, with a batch or without)
+        self.pos = 0  # whose turn it is: an index into order
+
+    def run(self, models: dict[str, Any], ps: list[list[int]], new_tokens: int) -> dict[str, list[list[int]]]:
+        """One ``generate_batch`` per model, concurrently, their loop turns in rounds; each model's generated tokens."""
+        def turn(mgr: Any, batch_processor: Any, bootstrapping: bool) -> bool:
+            return self._turn(mgr, batch_processor, bootstrapping)
+        self.cls._generation_loop_body = turn
+        try:
+            with ThreadPoolExecutor(len(models)) as pool:
+                futures = {n: pool.submit(generate, m, ps, new_tokens) for n, m in models.items()}
+                outs = {n: f.result() for n, f in futures.items()}
+        finally:
+            self.cls._generation_loop_body = self.orig
+        for name, out in outs.items():  # transformers logs a failed loop and returns what it has
+            if len(out) != len(ps):
+                raise RuntimeError(f"round robin: {name}'s run returned {len(out)} of {len(ps)} requests")
+        return outs
+
+    def _turn(self, mgr: Any, batch_processor: Any, bootstrapping: bool) -> bool:
+        name = self.name_of[id(mgr.model)]
+        with self.cv:
+            if name not in self.joined:
+                self.joined.add(name)
+                self.order.append(name)
+                self.cv.notify_all()
+            if not self.cv.wait_for(lambda: len(self.joined) == len(self.name_of) and self.order[self.pos] == name,
+                                    TURN_TIMEOUT_S):
+                raise RuntimeError(f"round robin: {name}'s loop waited {TURN_TIMEOUT_S} s for its turn")
+        self.turns.append(name)
+        out = False
+        try:
+            out = _timed_turn(self.orig, mgr, batch_processor, bootstrapping, self.device, self.canary[name],
+                              self.steps[name], self.canary_us[name])
+            return out
+        finally:
+            with self.cv:
+                self._pass(name, keep=out)
+                self.cv.notify_all()
+
+    def _pass(self, name: str, keep: bool) -> None:
+        """The turn after ``name``'s; a loop that ended (``keep`` False) leaves the rotation."""
+        if keep:
+            self.pos += 1
+        else:
+            self.order.remove(name)  # the next loop moves into this position
+        if self.pos >= len(self.order):
+            self.pos = 0
+            self.order = self.order[1:] + self.order[:1]
+
+
+def _timed_turn(orig: Callable[..., bool], mgr: Any, batch_processor: Any, bootstrapping: bool, device: str,
+                canary: Callable[[], int] | None, steps: list[float], canary_us: list[float],
+                mark: Callable[[], None] | None = None) -> bool:
+    """One loop turn of transformers' generation loop, synchronized before and after; a turn that ran a batch appends
+    its wall time to ``steps`` and kvcanary's host µs in it (``canary`` reads the cumulative count) to ``canary_us``.
+    ``mark`` runs just outside the timed region on both sides."""
+    _sync(device)
+    if mark is not None:
+        mark()
+    c0 = canary() if canary is not None else 0
+    before, t = mgr.current_batch, time.perf_counter()
+    out = orig(mgr, batch_processor, bootstrapping)
+    _sync(device)
+    dt = time.perf_counter() - t
+    if mark is not None:
+        mark()
+    if mgr.current_batch != before:
+        steps.append(dt)
+        canary_us.append(float(canary() - c0) if canary is not None else 0.0)
+    return out
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 MARK = "spin_kernel"  # torch.cuda._sleep's kernel
@@ -168,8 +254,16 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 
 def run_once(model: Any, ps: list[list[int]], new_tokens: int, timer: StepTimer,
              skip: int = 0) -> tuple[list[float], list[list[int]]]:
-    """One generate_batch: the decode-step times (prefill steps and the first ``skip`` decode steps dropped) and the
-    generated tokens."""
+    """One generate_batch under ``timer``: the decode-step times (prefill steps and the first ``skip`` decode steps
+    dropped) and the generated tokens."""
+    n = len(timer.steps)
+    out = generate(model, ps, new_tokens)
+    return decode_steps(timer.steps[n:], new_tokens, skip), out
+
+
+def generate(model: Any, ps: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """One generate_batch of ``ps`` (greedy, ``new_tokens`` each, no CUDA graphs, no block table); the generated
+    tokens."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -178,9 +272,8 @@ def run_once(model: Any, ps: list[list[int]], new_tokens: int, timer: StepTimer,
                                   allow_block_sharing=True, use_cuda_graph=False, use_async_batching=False,
                                   auto_switch_to_flash=False, max_blocks_per_request=0)
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    n = len(timer.steps)
     out = model.generate_batch(ps, generation_config=gen, continuous_batching_config=cb, warmup=False)
-    return decode_steps(timer.steps[n:], new_tokens, skip), [r.generated_tokens for r in out.values()]
+    return [r.generated_tokens for r in out.values()]
 
 
 def decode_steps(per_step: list[T], new_tokens: int, skip: int) -> list[T]:
@@ -189,15 +282,15 @@ def decode_steps(per_step: list[T], new_tokens: int, skip: int) -> list[T]:
     return per_step[-(new_tokens - 1):][skip:]
 
 
-def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, device: str,
+def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int, repeats: int, device: str,
             variants: list[tuple[str, dict[str, Any], float]], skip: int = 0) -> dict[str, Any]:
-    """Interleaved repeats of baseline and every variant. Each repeat pairs a variant's median decode step with the
-    baseline's of the same repeat (the host's speed drifts between repeats, far more than the targets); the overhead is
-    the median of the pairs. Each repeat runs the configs in a rotated order (the first run of a repeat was the fastest
-    or slowest by up to 20 % on an H100 host). Verdict from the pairs (:func:`_verdict`): met only when their upper
-    quartile and their spread are both within the target, missed when every pair is above it. ``skip``: decode steps
-    dropped from the front of every run (the canary's eager stages run from CUDA graphs from the
-    ``program.CAPTURE_AFTER``-th run of a shape on, so skipping that many times the steady state).
+    """Repeats of the baseline and every variant run side by side: one model each (``make_model``, identical
+    weights), their generation loops taking turns step by step (:class:`RoundRobin`), so the host's drift is common to
+    a round. Each decode step of a variant pairs with the baseline's step of the same round; the overhead is the
+    median of the pairs over every repeat, with its distribution-free 95 % confidence interval. Verdict from that
+    interval (:func:`_verdict`): met when it lies within the target, missed when it lies above it. Repeat 0 warms up.
+    ``skip``: decode steps dropped from the front of every run (the canary's eager stages run from CUDA graphs from
+    the ``program.CAPTURE_AFTER``-th run of a shape on, so skipping that many times the steady state).
 
     The same runs also give each decode step's attributed overhead: kvcanary's host time in the step (its handle's
     ``host_us``) against the rest of the step. On CUDA one more profiled run per config measures the GPU's busy share
@@ -205,57 +298,65 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
     run in the GPU's idle time and its host time adds to the step one for one: a lower bound of its cost, which does
     not see what it may cost transformers' own code. ``met_attributed``: that bound's upper quartile over the steps
     within the target. ``met`` (:func:`_combined`): missed when the bound is over the target, else the pairs'."""
-    names = ["baseline"] + [n for n, _, _ in variants]
-    step_ms: dict[str, list[float]] = {n: [] for n in names}
-    rep_ms: dict[str, list[float]] = {n: [] for n in names}  # each repeat's median decode step
-    host_ms: dict[str, list[float]] = {n: [] for n in names[1:]}
-    life_ms: dict[str, list[float]] = {n: [] for n in names[1:]}  # the block lifecycle wrappers' host time
-    attributed: dict[str, list[float]] = {n: [] for n in names[1:]}  # per decode step: canary host / the rest, %
-    canary_ms: dict[str, list[float]] = {n: [] for n in names[1:]}  # per decode step: kvcanary's host time
-    ref: list[list[int]] | None = None
     configs = configs_of(variants)
-    with StepTimer(device) as timer:
-        for rep in range(repeats + 1):  # repetition 0 warms up (allocator, kernels, backend load)
-            for name, kwargs in configs[rep % len(configs):] + configs[:rep % len(configs)]:
-                n0 = len(timer.steps)
-                with installed(model, kwargs) as handle:
-                    timer.canary = None if handle is None else (lambda h=handle: h.host_us)
-                    decode, out = run_once(model, ps, new_tokens, timer, skip)
-                canary_us = decode_steps(timer.canary_us[n0:], new_tokens, skip)
-                print(f"repeat {rep} {name}: decode step median {1e3 * statistics.median(decode):.2f} ms",
-                      file=sys.stderr, flush=True)
-                ref = out if ref is None else ref
-                if out != ref:
-                    raise RuntimeError(f"{name}: kvcanary changed the generated tokens")
-                if handle is not None and (handle.total_violations or handle.errors):
-                    raise RuntimeError(f"{name}: {handle.total_violations} violations, errors {handle.errors}")
-                if rep == 0:
-                    continue
-                step_ms[name] += [1e3 * s for s in decode]
-                rep_ms[name].append(1e3 * statistics.median(decode))
-                if handle is not None:
-                    st = handle.stats
-                    host_ms[name].append(1e-3 * st["bracket_us"] / st["forwards"])
-                    life_ms[name].append(1e-3 * st["lifecycle_us"] / st["forwards"])
-                    attributed[name] += [100.0 * c / (1e6 * s - c) for s, c in zip(decode, canary_us, strict=True)]
-                    canary_ms[name] += [1e-3 * c for c in canary_us]
+    models = {name: make_model() for name, _ in configs}
+    step_ms: dict[str, list[float]] = {n: [] for n in models}
+    rep_ms: dict[str, list[float]] = {n: [] for n in models}  # each repeat's median decode step
+    pairs: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # per round: variant / baseline step - 1, %
+    rep_pairs: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # each repeat's median pair
+    host_ms: dict[str, list[float]] = {n: [] for n, _, _ in variants}
+    life_ms: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # the block lifecycle wrappers' host time
+    attributed: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # per decode step: canary / the rest, %
+    canary_ms: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # per decode step: kvcanary's host time
+    ref: list[list[int]] | None = None
+    for rep in range(repeats + 1):
+        with contextlib.ExitStack() as stack:
+            handles = {name: stack.enter_context(installed(models[name], kwargs)) for name, kwargs in configs}
+            rr = RoundRobin(device, models, {n: None if h is None else (lambda h=h: h.host_us)
+                                             for n, h in handles.items()})
+            outs = rr.run(models, ps, new_tokens)
+        decode = {n: decode_steps(rr.steps[n], new_tokens, skip) for n in models}
+        medians = ", ".join(f"{n} {1e3 * statistics.median(d):.2f} ms" for n, d in decode.items())
+        print(f"repeat {rep}: decode step medians {medians}", file=sys.stderr, flush=True)
+        for name, out in outs.items():
+            ref = out if ref is None else ref
+            if out != ref:
+                raise RuntimeError(f"{name}: kvcanary changed the generated tokens")
+            h = handles[name]
+            if h is not None and (h.total_violations or h.errors):
+                raise RuntimeError(f"{name}: {h.total_violations} violations, errors {h.errors}")
+        if rep == 0:  # warm-up (allocator, kernels, backend load)
+            continue
+        for name in models:
+            step_ms[name] += [1e3 * x for x in decode[name]]
+            rep_ms[name].append(1e3 * statistics.median(decode[name]))
+        for name, _, _ in variants:
+            st, canary_us = handles[name].stats, decode_steps(rr.canary_us[name], new_tokens, skip)
+            these = [100.0 * (v / b - 1.0) for v, b in zip(decode[name], decode["baseline"], strict=True)]
+            pairs[name] += these
+            rep_pairs[name].append(statistics.median(these))
+            host_ms[name].append(1e-3 * st["bracket_us"] / st["forwards"])
+            life_ms[name].append(1e-3 * st["lifecycle_us"] / st["forwards"])
+            attributed[name] += [100.0 * c / (1e6 * x - c) for x, c in zip(decode[name], canary_us, strict=True)]
+            canary_ms[name] += [1e-3 * c for c in canary_us]
     # a shorter run: the profiler's events of a whole run take longer to read than the run itself
-    timeline = _timeline(model, ps, skip + TIMELINE_STEPS + 1, skip, configs) if device == "cuda" else {}
+    timeline = _timeline(models["baseline"], ps, skip + TIMELINE_STEPS + 1, skip, configs) if device == "cuda" else {}
     med = statistics.median
     base = rep_ms["baseline"]
     spread = 100.0 * (max(base) - min(base)) / med(base)
     rows: list[dict[str, Any]] = [{"config": "baseline", "decode_step_ms": round(med(step_ms["baseline"]), 3),
                                    "repeat_spread_pct": round(spread, 2), **timeline.get("baseline", {})}]
     for name, _, target in variants:
-        pairs = sorted(100.0 * (v / b - 1.0) for v, b in zip(rep_ms[name], base, strict=True))
-        att = sorted(attributed[name])
+        ps_sorted, att = sorted(pairs[name]), sorted(attributed[name])
         gpu = timeline.get(name, {})
         # where the GPU idles through most of the step the canary's host time adds to it one for one: a lower bound
         # of its cost (its kernels fit in the idle time; what it costs transformers' own code is not in it)
         host_bound = gpu.get("gpu_busy_pct", 100.0) <= HOST_BOUND_BUSY_PCT
-        met_pairs, met_att = _verdict(pairs, target), _quartiles(att)[1] <= target
+        met_pairs, met_att = _verdict(ps_sorted, target), _quartiles(att)[1] <= target
         rows.append({"config": name, "decode_step_ms": round(med(step_ms[name]), 3),
-                     "overhead_pct": round(med(pairs), 2), "pair_overheads_pct": [round(p, 2) for p in pairs],
+                     "overhead_pct": round(med(ps_sorted), 2),
+                     "overhead_ci95_pct": [round(x, 2) for x in _median_ci(ps_sorted)],
+                     "step_pairs": len(ps_sorted), "repeat_overheads_pct": [round(p, 2) for p in rep_pairs[name]],
                      "attributed_overhead_pct": round(med(att), 3),
                      "attributed_upper_quartile_pct": round(_quartiles(att)[1], 3),
                      "canary_host_ms_per_step": round(med(canary_ms[name]), 3),
@@ -263,7 +364,8 @@ def measure(model: Any, ps: list[list[int]], new_tokens: int, repeats: int, devi
                      "met": _combined(met_pairs, met_att if host_bound else None),
                      "bracket_host_ms": round(med(host_ms[name]), 3),
                      "lifecycle_host_ms": round(med(life_ms[name]), 3), **gpu})
-    return {"rows": rows, "decode_steps_per_config": len(step_ms["baseline"])}
+    return {"rows": rows, "decode_steps_per_config": len(step_ms["baseline"]),
+            "params": sum(p.numel() for p in models["baseline"].parameters())}
 
 
 def _timeline(model: Any, ps: list[list[int]], new_tokens: int, skip: int,
@@ -286,12 +388,23 @@ def _timeline(model: Any, ps: list[list[int]], new_tokens: int, skip: int,
 
 
 def _verdict(pairs: list[float], target: float) -> bool | None:
-    """Met when the upper quartile of the sorted ``pairs`` is within the target and their interquartile spread is too
-    (noise must not make a met); missed when every pair is above the target; else None."""
-    lo, hi = _quartiles(pairs)
-    if hi <= target and hi - lo <= target:
+    """From the sorted step ``pairs``: met when the 95 % confidence interval of their median lies within the target,
+    missed when it lies above it, else None (too few pairs for an interval, or it straddles the target)."""
+    lo, hi = _median_ci(pairs)
+    if hi <= target:
         return True
-    return False if pairs[0] > target else None
+    return False if lo > target else None
+
+
+def _median_ci(xs: list[float]) -> tuple[float, float]:
+    """Distribution-free confidence interval of the median of sorted ``xs``, at least 1 - 2 * :data:`CI_TAIL`: the
+    order statistics x_(k) and x_(n+1-k) for the largest k with P(Binomial(n, 1/2) < k) <= CI_TAIL; (-inf, inf) when
+    even k = 1 is too wide a tail (fewer than 6 values)."""
+    n, below, k = len(xs), 0, 0
+    while k < n and (below + math.comb(n, k)) / 2 ** n <= CI_TAIL:
+        below += math.comb(n, k)
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k else (-math.inf, math.inf)
 
 
 def _combined(pairs: bool | None, lower_bound: bool | None) -> bool | None:
@@ -326,9 +439,8 @@ def main() -> None:
         ap.error(f"--skip-decode must be in [0, {a.new_tokens - 1}) for {a.new_tokens} new tokens")
     cfg = LLAMA_1B if a.model == "1b" else LLAMA_TINY
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-    model = build_model(cfg, a.device, dtype)
-    res = measure(model, prompts(a.batch, a.prompt, cfg["vocab_size"]), a.new_tokens, a.repeats, a.device,
-                  VARIANTS + (PARTS if a.parts else []), a.skip_decode)
+    res = measure(lambda: build_model(cfg, a.device, dtype), prompts(a.batch, a.prompt, cfg["vocab_size"]),
+                  a.new_tokens, a.repeats, a.device, VARIANTS + (PARTS if a.parts else []), a.skip_decode)
     for r in res["rows"]:
         print(json.dumps(r))
     out = {"machine": platform.node(), "torch": torch.__version__,
@@ -336,13 +448,16 @@ def main() -> None:
            "command": f"python -m bench.bench_transformers --device {a.device} --model {a.model} --batch {a.batch} "
                       f"--prompt {a.prompt} --new-tokens {a.new_tokens} --repeats {a.repeats}"
                       + (" --parts" if a.parts else "") + (f" --skip-decode {a.skip_decode}" if a.skip_decode else ""),
-           "model": cfg, "params": sum(p.numel() for p in model.parameters()), "dtype": str(dtype),
+           "model": cfg, "dtype": str(dtype),
            "page_size": PAGE, "note": "decode-step time of transformers continuous batching (sdpa paged cache, no "
-           "CUDA graphs): each loop step that ran a batch, canary wrappers included, synchronized; overhead = median "
-           "over repeats of the variant's median step against the same repeat's baseline; attributed overhead = per "
+           "CUDA graphs): each loop step that ran a batch, canary wrappers included, synchronized; one model per "
+           "config, their loops taking turns step by step; overhead = median over the rounds of every repeat of the "
+           "variant's step against the baseline's step of the same round, with its 95 % confidence interval; "
+           "attributed overhead = per "
            "decode step, kvcanary's host time (bracket, batch snapshot, block lifecycle) against the rest of the "
            "step, a lower bound of its cost where the profiled GPU busy share shows the step host-bound; met = missed "
-           "when that bound is over the target, else the pairs' verdict", **res}
+           "when that bound is over the target, else the pairs' verdict (met: the interval within the target, "
+           "missed: above it)", **res}
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -1,8 +1,11 @@
-"""The transformers benchmark's verdicts: paired repeats (hand-computed cases; noise must never produce a met) and the
-profiled timeline's steps (hand-built events, the busy union against a brute-force count)."""
+"""The transformers benchmark's verdicts: the step pairs' median interval (hand-computed ranks, a brute-force
+binomial; noise must never produce a met) and the profiled timeline's steps (hand-built events, the busy union against
+a brute-force count)."""
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 
 import pytest
@@ -10,18 +13,46 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.bench_transformers import MARK, _combined, _quartiles, _union_us, _verdict, timeline_steps
+from bench.bench_transformers import MARK, _combined, _median_ci, _quartiles, _union_us, _verdict, timeline_steps
+
+
+@pytest.mark.parametrize(("n", "ranks"), [
+    (5, None),     # P(all 5 on one side) = 1/32 > 2.5 %: no interval
+    (6, (1, 6)),   # 1/64 <= 2.5 % < 7/64
+    (8, (1, 8)),   # P(B < 2) = 9/256 > 2.5 %
+    (9, (2, 8)),   # P(B < 2) = 10/512 <= 2.5 % < P(B < 3) = 46/512
+    (10, (2, 9)),  # 11/1024 <= 2.5 % < 56/1024
+    (20, (6, 15)),  # P(B < 6) = 21700/2^20 = 2.07 % <= 2.5 % < P(B < 7) = 5.77 % (the textbook x_(6), x_(15))
+])
+def test_median_interval_hand_computed(n: int, ranks: tuple[int, int] | None) -> None:
+    xs = [10.0 * i for i in range(1, n + 1)]  # x_(i) = 10 i
+    lo, hi = _median_ci(xs)
+    if ranks is None:
+        assert (lo, hi) == (-math.inf, math.inf)
+    else:
+        assert (lo, hi) == (10.0 * ranks[0], 10.0 * ranks[1])
+
+
+@given(st.lists(st.floats(-50, 50), min_size=1, max_size=80))
+def test_median_interval_is_the_widest_tail_within_bounds(values: list[float]) -> None:
+    """Brute force: the interval's ranks are k and n + 1 - k for the largest k whose lower tail P(B < k) (B ~
+    Binomial(n, 1/2), counted exactly over all 2^n outcomes' sizes) is at most 2.5 %; it holds the median."""
+    xs, n = sorted(values), len(values)
+    tail = [sum(math.comb(n, i) for i in range(k)) / 2 ** n for k in range(n + 1)]
+    k = max((k for k in range(1, n + 1) if tail[k] <= 0.025), default=0)
+    lo, hi = _median_ci(xs)
+    assert (lo, hi) == ((xs[k - 1], xs[n - k]) if k else (-math.inf, math.inf))
+    assert lo <= statistics.median(xs) <= hi
 
 
 @pytest.mark.parametrize(("pairs", "target", "met"), [
-    ([0.1, 0.3, 0.5, 0.9], 1.0, True),          # every pair within, spread within
-    ([-0.2, 0.2, 0.6, 0.8], 1.0, True),
-    ([-27.0, -25.3, -18.3, -8.0, -7.3, 11.6], 2.0, None),  # all but one "faster": noise, not a met
-    ([-0.5, 0.5, 1.5, 2.5], 1.0, None),         # straddles the target
-    ([1.2, 1.5, 2.0, 60.0], 1.0, False),        # every pair above
-    ([0.9, 1.5, 2.0, 3.0], 1.0, None),          # one pair within: not every pair above
-    ([0.5, 0.8], 1.0, True),                    # fewer than 4: the extremes stand for the quartiles
-    ([0.5, 1.8], 1.0, None),
+    ([0.1, 0.2, 0.3, 0.5, 0.6, 0.9], 1.0, True),     # the interval (every pair, n = 6) within the target
+    ([0.1, 0.2, 0.3, 0.5, 0.6, 1.1], 1.0, None),     # its top above: straddles
+    ([1.2, 1.5, 2.0, 2.5, 3.0, 60.0], 1.0, False),   # the whole interval above
+    ([0.9, 1.5, 2.0, 2.5, 3.0, 60.0], 1.0, None),
+    ([-27.0, -25.3, -18.3, -8.0, -7.3, 11.6], 2.0, None),  # noise never makes a met
+    ([0.1, 0.2, 0.3, 0.4, 0.5], 1.0, None),          # five pairs: no interval, no verdict
+    ([-5.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 9.0], 1.0, True),  # n = 9: the extremes fall outside
 ])
 def test_verdict(pairs: list[float], target: float, met: bool | None) -> None:
     assert _verdict(sorted(pairs), target) is met

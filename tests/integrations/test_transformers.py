@@ -763,8 +763,8 @@ def test_benchmark_attributes_the_canary_host_time_per_step() -> None:
     from bench.bench_transformers import LLAMA_TINY, VARIANTS, build_model, measure
     from bench.bench_transformers import prompts as bench_prompts
 
-    model = build_model(LLAMA_TINY, "cpu", torch.float32)
-    res = measure(model, bench_prompts(4, 24, LLAMA_TINY["vocab_size"]), 6, 1, "cpu", VARIANTS)
+    res = measure(lambda: build_model(LLAMA_TINY, "cpu", torch.float32), bench_prompts(4, 24, LLAMA_TINY["vocab_size"]),
+                  6, 1, "cpu", VARIANTS)
     rows = {r["config"]: r for r in res["rows"]}
     assert set(rows) == {"baseline", *(name for name, _, _ in VARIANTS)} and res["decode_steps_per_config"] == 5
     for name, _, target in VARIANTS:
@@ -772,3 +772,27 @@ def test_benchmark_attributes_the_canary_host_time_per_step() -> None:
         assert r["canary_host_ms_per_step"] > 0 and r["attributed_overhead_pct"] > 0, r
         assert r["attributed_upper_quartile_pct"] >= r["attributed_overhead_pct"] and r["target_pct"] == target
         assert r["met_attributed"] is None and r["met"] is r["met_pairs"] and "gpu_busy_pct" not in r
+
+
+def test_round_robin_runs_one_step_of_every_model_per_round() -> None:
+    """bench_transformers' RoundRobin: three models' loops take turns; while all three run, every window of three
+    consecutive turns holds each model once and each round starts with another model (the order rotates); every model
+    decodes the same number of steps and the same tokens (one of them under a canary)."""
+    import contextlib
+
+    from bench.bench_transformers import LLAMA_TINY, RoundRobin, build_model, installed
+    from bench.bench_transformers import prompts as bench_prompts
+
+    names = ("a", "b", "c")
+    models = {n: build_model(LLAMA_TINY, "cpu", torch.float32) for n in names}
+    with contextlib.ExitStack() as stack:
+        handle = stack.enter_context(installed(models["b"], {}))
+        rr = RoundRobin("cpu", models, {"a": None, "b": lambda: handle.host_us, "c": None})
+        outs = rr.run(models, bench_prompts(3, 20, LLAMA_TINY["vocab_size"]), 7)
+    assert outs["a"] == outs["b"] == outs["c"] and handle.total_violations == 0
+    assert len({len(rr.steps[n]) for n in names}) == 1 and len(rr.steps["a"]) >= 7
+    assert rr.canary_us["b"] and all(c > 0 for c in rr.canary_us["b"]) and set(rr.canary_us["a"]) == {0.0}
+    full = len(rr.turns) - len(rr.turns) % 3 - 3  # the last round: loops leave as their runs stop
+    rounds = [rr.turns[i:i + 3] for i in range(0, full, 3)]
+    assert all(sorted(r) == sorted(names) for r in rounds), rr.turns
+    assert all(x[0] != y[0] for x, y in zip(rounds, rounds[1:], strict=False)), rr.turns
