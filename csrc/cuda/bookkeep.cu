@@ -38,8 +38,9 @@ void bookkeep(TensorView counter, TensorView acc, TensorView src, TensorView mir
   const int64_t k = counter.size(0);
   const int64_t m = mirror_src.size(0);
   if (k == 0 && n == 0) return;
-  int64_t* out = m > 0 ? static_cast<int64_t*>(mapped_host(mirror.data_ptr(), "mirror")) : nullptr;
   const DLDevice dev = counter.device();
+  int64_t* out =
+      m > 0 ? static_cast<int64_t*>(mapped_host(mirror.data_ptr(), "mirror", dev.device_id)) : nullptr;
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   launch_kernel(bookkeep_kernel, 1, kBookkeepThreads, stream_of(dev), dev.device_id,
                 static_cast<int64_t*>(counter.data_ptr()), k, static_cast<int64_t*>(acc.data_ptr()),

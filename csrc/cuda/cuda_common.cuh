@@ -52,17 +52,29 @@ inline int resident_blocks(Kernel kernel, int threads, int device_id, std::array
   return v;
 }
 
-// The caller's stream for a device (tvm-ffi sets it to torch's current stream, or the capture stream).
 // The device-mapped address of pinned (page-locked) host memory; a clear error naming `what` for pageable memory, which
-// a kernel cannot reach.
-inline void* mapped_host(const void* host, const char* what) {
+// a kernel cannot reach. The lookup needs a current context: a thread that has made no CUDA call yet (an engine's
+// stop from a request thread) has none, and CUDADeviceGuard sets none when the device is already the current one; so
+// on a failed lookup the device's primary context is made current (cudaSetDevice does that since CUDA 12) and the
+// lookup retried once, the hot path untouched.
+inline void* mapped_host(const void* host, const char* what, int device_id) {
   cudaPointerAttributes attr{};
-  const cudaError_t err = cudaPointerGetAttributes(&attr, host);
+  cudaError_t err = cudaPointerGetAttributes(&attr, host);
+  if (err != cudaSuccess || attr.type != cudaMemoryTypeHost) {
+    (void)cudaGetLastError();  // the failed lookup's error must not surface at the next launch check
+    int previous = 0;
+    TVM_FFI_CHECK_CUDA_ERROR(cudaGetDevice(&previous));
+    TVM_FFI_CHECK_CUDA_ERROR(cudaSetDevice(device_id));
+    err = cudaPointerGetAttributes(&attr, host);
+    (void)cudaGetLastError();
+    if (previous != device_id) TVM_FFI_CHECK_CUDA_ERROR(cudaSetDevice(previous));
+  }
   TVM_FFI_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, ValueError)
       << what << " must be pinned host memory (torch pin_memory=True) on the CUDA backend";
   return attr.devicePointer;
 }
 
+// The caller's stream for a device (tvm-ffi sets it to torch's current stream, or the capture stream).
 inline cudaStream_t stream_of(DLDevice dev) {
   return static_cast<cudaStream_t>(TVMFFIEnvGetStream(dev.device_type, dev.device_id));
 }

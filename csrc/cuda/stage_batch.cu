@@ -43,8 +43,8 @@ __global__ void __launch_bounds__(kStageThreads)
 }
 
 // Checked arguments with the staging rows' device-mapped address (an input error for pageable staging).
-StageArgs mapped(StageArgs a) {
-  if (a.bs > 0) a.staging = static_cast<const int64_t*>(mapped_host(a.staging, "staging"));
+StageArgs mapped(StageArgs a, int device_id) {
+  if (a.bs > 0) a.staging = static_cast<const int64_t*>(mapped_host(a.staging, "staging", device_id));
   return a;
 }
 
@@ -92,7 +92,8 @@ void stage_batch(TensorView req_pool_indices, TensorView prefix_lens, TensorView
                  TensorView truth, TensorView tokens, int64_t pad_rows, int64_t pad_tokens, int64_t padding_row) {
   const TensorView src[6] = {req_pool_indices, prefix_lens, extend_lens, input_ids, positions, out_cache_loc};
   launch_stage(mapped(check_stage_args(kDLCUDA, src, staging, rows, truth, tokens, pad_rows, pad_tokens,
-                                        padding_row)),
+                                        padding_row),
+                      rows.device().device_id),
                rows.device());
 }
 
@@ -113,7 +114,8 @@ int64_t begin_decode(TensorView req_pool_indices, TensorView prefix_lens, Tensor
     return begin_decode_inline(checked, host_rows, host_pre, host_ext, true_new, live, h, n, offset, seen, prefix,
                                step, reuse, rows.device());
   }
-  const StageArgs a = mapped(checked);  // every check (the staging's pinning included) before the decode writes
+  // every check (the staging's pinning included) before the decode writes
+  const StageArgs a = mapped(checked, rows.device().device_id);
   const auto guard = reinterpret_cast<cudaEvent_t>(event);
   if (guard != nullptr) TVM_FFI_CHECK_CUDA_ERROR(cudaEventSynchronize(guard));  // the rows' last reader has run
   const int64_t got = begin_decode_host(a, static_cast<int64_t*>(staging.data_ptr()), host_rows, host_pre, host_ext,

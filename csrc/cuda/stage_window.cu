@@ -31,8 +31,8 @@ __global__ void __launch_bounds__(kWindowThreads)
 
 void stage_window(TensorView head, TensorView count, TensorView rows, TensorView reset, TensorView dst, int64_t tag) {
   const WindowArgs a = check_stage_window_args(kDLCUDA, head, count, rows, reset, dst);
-  auto* out = static_cast<int64_t*>(mapped_host(dst.data_ptr(), "dst"));
   const DLDevice dev = head.device();
+  auto* out = static_cast<int64_t*>(mapped_host(dst.data_ptr(), "dst", dev.device_id));
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   launch_kernel(stage_window_kernel, 1, kWindowThreads, stream_of(dev), dev.device_id,
                 static_cast<const int64_t*>(head.data_ptr()), static_cast<const int64_t*>(count.data_ptr()),

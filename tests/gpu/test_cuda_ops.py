@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -829,6 +831,65 @@ def test_stage_window_bad_input_raises_before_any_launch() -> None:
             mod.stage_window(*args, 1)
     torch.cuda.synchronize()
     assert torch.equal(arena.cpu(), torch.arange(10)) and not dst.any()
+
+
+# ---- pinned host memory from a thread that made no CUDA call ------------------------------------------------------
+
+def _in_fresh_thread(fn: Callable[[], None]) -> None:
+    """``fn`` in a new thread (one that has made no CUDA call: no current context); its exception re-raised here."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors.append(e)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
+def test_pinned_host_ops_run_from_a_thread_without_cuda_calls() -> None:
+    """stage_window's dst, bookkeep's mirror and stage_batch's staging are pinned host memory whose device address the
+    native op looks up, a lookup that needs a current context. An engine may stop (and flush the canary's last window)
+    from a request thread that never made a CUDA call: transformers' generate_batch from a worker thread failed there
+    with "dst must be pinned". Each op run from such a thread writes what the same call on this thread writes."""
+    arena = torch.randint(-99, 99, (4 + 5 * 2,), generator=torch.Generator().manual_seed(5))
+    arena[1] = 3
+    views = {"head": arena[:4], "count": arena[1:2], "rows": arena[4:].view(5, 2), "reset": arena[1:3]}
+    want = _window_on(arena, views, CUDA, "cuda", 11)
+    a = arena.clone().to(CUDA)
+    v = {k: a[t.storage_offset():t.storage_offset() + t.numel()].view(t.shape) for k, t in views.items()}
+    dst = torch.full((1 + arena.numel(),), -7, dtype=torch.int64).pin_memory()
+    _in_fresh_thread(lambda: stage_window(v["head"], v["count"], v["rows"], v["reset"], dst, 11, backend="cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(dst, want[0]) and torch.equal(a.cpu(), want[1])
+
+    counter, values = torch.tensor([5], device=CUDA), torch.tensor([3, 4], device=CUDA)
+    mirror = torch.full((3,), -1, dtype=torch.int64, pin_memory=True)
+    op = bind_bookkeep(counter, counter[:0], counter[:0], "cuda", values, mirror)
+    table = torch.zeros(1, 1, dtype=torch.int64, device=CUDA)
+    _in_fresh_thread(lambda: op(table))
+    torch.cuda.synchronize()
+    assert mirror.tolist() == [6, 3, 4]
+
+    src, staging, dst3, pad_rows, pad_tokens, padding_row = _stage_case(random.Random(4))
+    outs = []
+    for fresh in (False, True):
+        d, s = [t.to(CUDA) for t in dst3], [t.to(CUDA) for t in src]
+        pinned = staging.pin_memory()
+
+        def call(d: list[torch.Tensor] = d, s: list[torch.Tensor] = s, pinned: torch.Tensor = pinned) -> None:
+            stage_batch(s, pinned, *d, pad_rows, pad_tokens, padding_row, backend="cuda")
+        if fresh:
+            _in_fresh_thread(call)
+        else:
+            call()
+        torch.cuda.synchronize()
+        outs.append([t.cpu() for t in d])
+    assert all(torch.equal(x, y) for x, y in zip(*outs, strict=True))
 
 
 # ---- stage_batch -------------------------------------------------------------------------------------------------
