@@ -53,24 +53,28 @@ inline int resident_blocks(Kernel kernel, int threads, int device_id, std::array
 }
 
 // The device-mapped address of pinned (page-locked) host memory; a clear error naming `what` for pageable memory, which
-// a kernel cannot reach. The lookup needs a current context: a thread that has made no CUDA call yet (an engine's
-// stop from a request thread) has none, and CUDADeviceGuard sets none when the device is already the current one; so
-// on a failed lookup the device's primary context is made current (cudaSetDevice does that since CUDA 12) and the
-// lookup retried once, the hot path untouched.
+// a kernel cannot reach. The device address is the current context's: a thread that has made no CUDA call yet (an
+// engine's stop from a request thread) has no current context, the lookup then fails or gives no device address, and
+// CUDADeviceGuard sets none when the device is already the current one. So a failed lookup makes the device's primary
+// context current (cudaSetDevice, and cudaFree(nullptr), the documented way to force a context) and retries once; the
+// hot path is untouched.
 inline void* mapped_host(const void* host, const char* what, int device_id) {
   cudaPointerAttributes attr{};
   cudaError_t err = cudaPointerGetAttributes(&attr, host);
-  if (err != cudaSuccess || attr.type != cudaMemoryTypeHost) {
+  if (err != cudaSuccess || attr.type != cudaMemoryTypeHost || attr.devicePointer == nullptr) {
     (void)cudaGetLastError();  // the failed lookup's error must not surface at the next launch check
     int previous = 0;
     TVM_FFI_CHECK_CUDA_ERROR(cudaGetDevice(&previous));
     TVM_FFI_CHECK_CUDA_ERROR(cudaSetDevice(device_id));
+    TVM_FFI_CHECK_CUDA_ERROR(cudaFree(nullptr));
     err = cudaPointerGetAttributes(&attr, host);
     (void)cudaGetLastError();
     if (previous != device_id) TVM_FFI_CHECK_CUDA_ERROR(cudaSetDevice(previous));
   }
   TVM_FFI_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr, ValueError)
-      << what << " must be pinned host memory (torch pin_memory=True) on the CUDA backend";
+      << what << " must be pinned host memory (torch pin_memory=True) on the CUDA backend (lookup: "
+      << cudaGetErrorName(err) << ", memory type " << static_cast<int>(attr.type) << ", device address "
+      << (attr.devicePointer != nullptr ? "set" : "none") << ")";
   return attr.devicePointer;
 }
 
