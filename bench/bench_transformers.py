@@ -129,12 +129,18 @@ class RoundRobin:
     one round, so the host's drift (10-70 % between runs seconds apart on the GPU hosts) is common to a round's steps
     and their pairs measure the canary, not the host. Each turn that ran a batch is timed (synchronized) into
     ``steps[name]``, kvcanary's host µs in it into ``canary_us[name]`` (``canary[name]`` reads the handle's
-    cumulative count; None: no canary). No turn starts before every model's loop has joined."""
+    cumulative count; None: no canary). No turn starts before every model's loop has joined.
 
-    def __init__(self, device: str, models: dict[str, Any], canary: dict[str, Callable[[], int] | None]) -> None:
+    ``cpu``: the core every loop thread is pinned to when it joins (None: not pinned). Unpinned, each loop thread
+    stays on a core of its own, and on an H100 host one model's steps ran 20 % slower than the others' for whole
+    runs: the pairs then measured the cores, not the canary (``bench/results/host_session22``). Only one loop runs at a
+    time, so one core serves them all."""
+
+    def __init__(self, device: str, models: dict[str, Any], canary: dict[str, Callable[[], int] | None],
+                 cpu: int | None = None) -> None:
         from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
-        self.cls, self.device, self.canary = ContinuousBatchingManager, device, canary
+        self.cls, self.device, self.canary, self.cpu = ContinuousBatchingManager, device, canary, cpu
         self.orig = ContinuousBatchingManager._generation_loop_body
         self.name_of = {id(m): n for n, m in models.items()}
         self.steps: dict[str, list[float]] = {n: [] for n in models}
@@ -165,6 +171,8 @@ class RoundRobin:
         name = self.name_of[id(mgr.model)]
         with self.cv:
             if name not in self.joined:
+                if self.cpu is not None:
+                    os.sched_setaffinity(threading.get_native_id(), {self.cpu})
                 self.joined.add(name)
                 self.order.append(name)
                 self.cv.notify_all()
@@ -283,14 +291,16 @@ def decode_steps(per_step: list[T], new_tokens: int, skip: int) -> list[T]:
 
 
 def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int, repeats: int, device: str,
-            variants: list[tuple[str, dict[str, Any], float]], skip: int = 0) -> dict[str, Any]:
+            variants: list[tuple[str, dict[str, Any], float]], skip: int = 0,
+            loop_cpu: int | None = None) -> dict[str, Any]:
     """Repeats of the baseline and every variant run side by side: one model each (``make_model``, identical
     weights), their generation loops taking turns step by step (:class:`RoundRobin`), so the host's drift is common to
     a round. Each decode step of a variant pairs with the baseline's step of the same round; the overhead is the
     median of the pairs over every repeat, with its distribution-free 95 % confidence interval. Verdict from that
     interval (:func:`_verdict`): met when it lies within the target, missed when it lies above it. Repeat 0 warms up.
     ``skip``: decode steps dropped from the front of every run (the canary's eager stages run from CUDA graphs from
-    the ``program.CAPTURE_AFTER``-th run of a shape on, so skipping that many times the steady state).
+    the ``program.CAPTURE_AFTER``-th run of a shape on, so skipping that many times the steady state). ``loop_cpu``:
+    the core the generation loops run on (:class:`RoundRobin`'s ``cpu``).
 
     The same runs also give each decode step's attributed overhead: kvcanary's host time in the step (its handle's
     ``host_us``) against the rest of the step. On CUDA one more profiled run per config measures the GPU's busy share
@@ -313,7 +323,7 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
         with contextlib.ExitStack() as stack:
             handles = {name: stack.enter_context(installed(models[name], kwargs)) for name, kwargs in configs}
             rr = RoundRobin(device, models, {n: None if h is None else (lambda h=h: h.host_us)
-                                             for n, h in handles.items()})
+                                             for n, h in handles.items()}, loop_cpu)
             outs = rr.run(models, ps, new_tokens)
         decode = {n: decode_steps(rr.steps[n], new_tokens, skip) for n in models}
         medians = ", ".join(f"{n} {1e3 * statistics.median(d):.2f} ms" for n, d in decode.items())
@@ -339,6 +349,10 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
             life_ms[name].append(1e-3 * st["lifecycle_us"] / st["forwards"])
             attributed[name] += [100.0 * c / (1e6 * x - c) for x, c in zip(decode[name], canary_us, strict=True)]
             canary_ms[name] += [1e-3 * c for c in canary_us]
+    for name, _, _ in variants:  # before the profiled runs: a call that runs out of time still has these
+        lo, hi = _median_ci(sorted(pairs[name]))
+        print(f"{name}: step pairs median {statistics.median(pairs[name]):+.2f} %, 95 % interval [{lo:+.2f}, "
+              f"{hi:+.2f}] over {len(pairs[name])} pairs", file=sys.stderr, flush=True)
     # a shorter run: the profiler's events of a whole run take longer to read than the run itself
     timeline = _timeline(models["baseline"], ps, skip + TIMELINE_STEPS + 1, skip, configs) if device == "cuda" else {}
     med = statistics.median
@@ -433,6 +447,8 @@ def main() -> None:
                     help=f"decode steps dropped from the front of every run ({CAPTURE_AFTER}: the canary's eager "
                     "stages run from their CUDA graphs, its steady state)")
     ap.add_argument("--parts", action="store_true", help="also the default policy's parts, one at a time")
+    ap.add_argument("--loop-cpu", type=int, default=max(os.sched_getaffinity(0)),
+                    help="the core all generation loops are pinned to (default: this process's last; -1: not pinned)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if not 0 <= a.skip_decode < a.new_tokens - 1:
@@ -440,14 +456,16 @@ def main() -> None:
     cfg = LLAMA_1B if a.model == "1b" else LLAMA_TINY
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     res = measure(lambda: build_model(cfg, a.device, dtype), prompts(a.batch, a.prompt, cfg["vocab_size"]),
-                  a.new_tokens, a.repeats, a.device, VARIANTS + (PARTS if a.parts else []), a.skip_decode)
+                  a.new_tokens, a.repeats, a.device, VARIANTS + (PARTS if a.parts else []), a.skip_decode,
+                  None if a.loop_cpu < 0 else a.loop_cpu)
     for r in res["rows"]:
         print(json.dumps(r))
     out = {"machine": platform.node(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
            "command": f"python -m bench.bench_transformers --device {a.device} --model {a.model} --batch {a.batch} "
                       f"--prompt {a.prompt} --new-tokens {a.new_tokens} --repeats {a.repeats}"
-                      + (" --parts" if a.parts else "") + (f" --skip-decode {a.skip_decode}" if a.skip_decode else ""),
+                      + (" --parts" if a.parts else "") + (f" --skip-decode {a.skip_decode}" if a.skip_decode else "")
+                      + f" --loop-cpu {a.loop_cpu}",
            "model": cfg, "dtype": str(dtype),
            "page_size": PAGE, "note": "decode-step time of transformers continuous batching (sdpa paged cache, no "
            "CUDA graphs): each loop step that ran a batch, canary wrappers included, synchronized; one model per "

@@ -775,10 +775,11 @@ def test_benchmark_attributes_the_canary_host_time_per_step() -> None:
 
 
 def test_round_robin_runs_one_step_of_every_model_per_round() -> None:
-    """bench_transformers' RoundRobin: three models' loops take turns; while all three run, every window of three
-    consecutive turns holds each model once and each round starts with another model (the order rotates); every model
-    decodes the same number of steps and the same tokens (one of them under a canary)."""
+    """bench_transformers' RoundRobin: three models' loops take turns, pinned to one core; while all three run, every
+    window of three consecutive turns holds each model once and each round starts with another model (the order
+    rotates); every model decodes the same number of steps and the same tokens (one of them under a canary)."""
     import contextlib
+    import os
 
     from bench.bench_transformers import LLAMA_TINY, RoundRobin, build_model, installed
     from bench.bench_transformers import prompts as bench_prompts
@@ -787,7 +788,8 @@ def test_round_robin_runs_one_step_of_every_model_per_round() -> None:
     models = {n: build_model(LLAMA_TINY, "cpu", torch.float32) for n in names}
     with contextlib.ExitStack() as stack:
         handle = stack.enter_context(installed(models["b"], {}))
-        rr = RoundRobin("cpu", models, {"a": None, "b": lambda: handle.host_us, "c": None})
+        rr = RoundRobin("cpu", models, {"a": None, "b": lambda: handle.host_us, "c": None},
+                        max(os.sched_getaffinity(0)))
         outs = rr.run(models, bench_prompts(3, 20, LLAMA_TINY["vocab_size"]), 7)
     assert outs["a"] == outs["b"] == outs["c"] and handle.total_violations == 0
     assert len({len(rr.steps[n]) for n in names}) == 1 and len(rr.steps["a"]) >= 7
