@@ -373,6 +373,10 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
                      "step_pairs": len(ps_sorted), "repeat_overheads_pct": [round(p, 2) for p in rep_pairs[name]],
                      "attributed_overhead_pct": round(med(att), 3),
                      "attributed_upper_quartile_pct": round(_quartiles(att)[1], 3),
+                     # the amortized share: periodic work (a rolling-sweep slice every few steps, a report window
+                     # every 64) weighs in by its total, not by its rank
+                     "attributed_mean_pct": round(100.0 * sum(canary_ms[name])
+                                                  / (sum(step_ms[name]) - sum(canary_ms[name])), 3),
                      "canary_host_ms_per_step": round(med(canary_ms[name]), 3),
                      "target_pct": target, "met_pairs": met_pairs, "met_attributed": met_att if host_bound else None,
                      "met": _combined(met_pairs, met_att if host_bound else None),

@@ -771,6 +771,7 @@ def test_benchmark_attributes_the_canary_host_time_per_step() -> None:
         r = rows[name]
         assert r["canary_host_ms_per_step"] > 0 and r["attributed_overhead_pct"] > 0, r
         assert r["attributed_upper_quartile_pct"] >= r["attributed_overhead_pct"] and r["target_pct"] == target
+        assert r["attributed_mean_pct"] > 0, r
         assert r["met_attributed"] is None and r["met"] is r["met_pairs"] and "gpu_busy_pct" not in r
 
 
