@@ -2,8 +2,9 @@
 # transformers A/B on natives JIT-built on the machine: A = .ab/srcA (an earlier commit's python/, generated/ and
 # csrc/: git archive REV python generated csrc | tar -x -C .ab/srcA), B = this tree. B's transformers GPU tests unless
 # NO_TESTS, then ROUNDS x (A, B) of gpu/probe_tf_parts.py (the bracket's parts per generation step, 1.1 B Llama, bs 32,
-# prompt 1024), then B's bench_transformers row unless NO_BENCH. Files in $OUT: log.txt tf_bench.json. Carry .whl
-# (tvm-ffi) .ab .hfproto. PIN: a command prefix for every timed process.
+# prompt 1024), then B's bench_transformers row unless NO_BENCH (steady state, the configs side by side, their loops
+# pinned by the bench itself to core 4). Files in $OUT: log.txt tf_bench.json. Carry .whl (tvm-ffi) .ab .hfproto.
+# PIN: a command prefix for the probe's processes. ROUNDS=0: no A side (no .ab/srcA needed), B's tests and bench only.
 # Usage: [ROUNDS=2] [NO_TESTS=1] [NO_BENCH=1] [PIN="taskset -c 4"] bash gpu/run_tf_ab.sh
 set -o pipefail
 OUT=${OUT:-/tmp/out}
@@ -21,7 +22,9 @@ side() {  # side A|B: that side's Python sources
   echo "PIN=${PIN:-none}"
   # each side's JIT build before any timed run (the cache is per source tree: a build inside a timed run is killed
   # by its timeout and starts over in the next)
-  for s in A B; do side $s; python3 -c "from kvcanary import _native as n; print('$s', n.load('cuda').origin, \
+  sides="A B"
+  [ "${ROUNDS:-2}" != 0 ] || sides=B
+  for s in $sides; do side $s; python3 -c "from kvcanary import _native as n; print('$s', n.load('cuda').origin, \
     n.load('cpu').origin)" || exit 1; done
   [ -n "${NO_TESTS:-}" ] || { echo "=== transformers gpu tests B $(date -u +%T)"
     timeout 200 python3 -m pytest -q -m gpu tests/integrations/test_transformers_gpu.py -p no:cacheprovider \
@@ -34,7 +37,7 @@ side() {  # side A|B: that side's Python sources
   done
   side B
   [ -n "${NO_BENCH:-}" ] || { echo "=== bench_transformers B $(date -u +%T)"
-    timeout 240 $PIN python3 -m bench.bench_transformers --device cuda --model 1b --batch 32 --prompt 1024 \
-      --new-tokens 33 --repeats 3 --out "$OUT/tf_bench.json" 2>&1 | grep -v Logger; }
+    timeout 420 python3 -m bench.bench_transformers --device cuda --model 1b --batch 32 --prompt 1024 \
+      --new-tokens 41 --skip-decode 16 --repeats 4 --loop-cpu 4 --out "$OUT/tf_bench.json" 2>&1 | grep -v Logger; }
   echo "=== done $(date -u +%T)"
 } 2>&1 | tee "$OUT/log.txt"
