@@ -1,5 +1,6 @@
 """Probe: where the transformers integration's host time per generation step goes (continuous batching, decode steps
-of a random Llama): the adapter's batch view, begin_forward, pre_forward, post_forward, end_forward, each timed
+of a random Llama): the adapter's batch view, begin_forward, pre_forward, post_forward, end_forward, and inside
+end_forward the rolling sweep's slice (_roll: the export, its derive when new, the slice's launches), each timed
 around its call (no sync: host time; SYNC=1: the device synchronized before each, untimed, so a part's time is its own
 work, not a wait for earlier queued work; NEW=n: n new tokens per request, default 33). Each part is reported
 separately for the decode steps (the benchmark's) and the mixed ones (prefill chunks).
@@ -11,6 +12,7 @@ import sys
 
 import kvcanary.integrations.transformers as kt
 import kvcanary.manager as mg
+import kvcanary.sweep as sw
 import torch
 
 from bench.bench_transformers import LLAMA_1B, LLAMA_TINY, StepTimer, build_model, installed, prompts, run_once
@@ -46,7 +48,9 @@ kt.HFPoolAdapter.batch_view = kind_view  # type: ignore[method-assign]
 sync = torch.cuda.synchronize if os.environ.get("SYNC") == "1" and device == "cuda" else None
 for owner, name in ((kt.HFPoolAdapter, "batch_view"), (mg.CanaryManager, "begin_forward"),
                     (mg.CanaryManager, "pre_forward"), (mg.CanaryManager, "post_forward"),
-                    (mg.CanaryManager, "end_forward"), (kt.HFPoolAdapter, "_read_slots")):
+                    (mg.CanaryManager, "end_forward"), (kt.HFPoolAdapter, "_read_slots"), (mg.CanaryManager, "_roll"),
+                    (kt.HFPoolAdapter, "prefix_cache_export"), (kt.HFPoolAdapter, "_build_export"),
+                    (sw.Sweeper, "roll"), (sw.Sweeper, "_derive")):
     time_calls(owner, name, times, sync)
 
 model = build_model(cfg, device, torch.bfloat16 if device == "cuda" else torch.float32)
