@@ -311,7 +311,7 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
     configs = configs_of(variants)
     models = {name: make_model() for name, _ in configs}
     step_ms: dict[str, list[float]] = {n: [] for n in models}
-    rep_ms: dict[str, list[float]] = {n: [] for n in models}  # each repeat's median decode step
+    base_ms: list[float] = []  # each repeat's median baseline decode step (the spread of the host between repeats)
     pairs: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # per round: variant / baseline step - 1, %
     rep_pairs: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # each repeat's median pair
     host_ms: dict[str, list[float]] = {n: [] for n, _, _ in variants}
@@ -326,8 +326,9 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
                                              for n, h in handles.items()}, loop_cpu)
             outs = rr.run(models, ps, new_tokens)
         decode = {n: decode_steps(rr.steps[n], new_tokens, skip) for n in models}
-        medians = ", ".join(f"{n} {1e3 * statistics.median(d):.2f} ms" for n, d in decode.items())
-        print(f"repeat {rep}: decode step medians {medians}", file=sys.stderr, flush=True)
+        medians = {n: 1e3 * statistics.median(d) for n, d in decode.items()}
+        print(f"repeat {rep}: decode step medians " + ", ".join(f"{n} {m:.2f} ms" for n, m in medians.items()),
+              file=sys.stderr, flush=True)
         for name, out in outs.items():
             ref = out if ref is None else ref
             if out != ref:
@@ -337,9 +338,9 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
                 raise RuntimeError(f"{name}: {h.total_violations} violations, errors {h.errors}")
         if rep == 0:  # warm-up (allocator, kernels, backend load)
             continue
+        base_ms.append(medians["baseline"])
         for name in models:
             step_ms[name] += [1e3 * x for x in decode[name]]
-            rep_ms[name].append(1e3 * statistics.median(decode[name]))
         for name, _, _ in variants:
             st, canary_us = handles[name].stats, decode_steps(rr.canary_us[name], new_tokens, skip)
             these = [100.0 * (v / b - 1.0) for v, b in zip(decode[name], decode["baseline"], strict=True)]
@@ -356,8 +357,7 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
     # a shorter run: the profiler's events of a whole run take longer to read than the run itself
     timeline = _timeline(models["baseline"], ps, skip + TIMELINE_STEPS + 1, skip, configs) if device == "cuda" else {}
     med = statistics.median
-    base = rep_ms["baseline"]
-    spread = 100.0 * (max(base) - min(base)) / med(base)
+    spread = 100.0 * (max(base_ms) - min(base_ms)) / med(base_ms)
     rows: list[dict[str, Any]] = [{"config": "baseline", "decode_step_ms": round(med(step_ms["baseline"]), 3),
                                    "repeat_spread_pct": round(spread, 2), **timeline.get("baseline", {})}]
     for name, _, target in variants:
