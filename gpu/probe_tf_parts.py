@@ -2,17 +2,21 @@
 of a random Llama): the adapter's batch view, begin_forward, pre_forward, post_forward, end_forward, and inside
 end_forward the rolling sweep's slice (_roll: the export, its derive when new, the slice's launches), each timed
 around its call (no sync: host time; SYNC=1: the device synchronized before each, untimed, so a part's time is its own
-work, not a wait for earlier queued work; NEW=n: n new tokens per request, default 33). Each part is reported
-separately for the decode steps (the benchmark's) and the mixed ones (prefill chunks).
-Usage: [SYNC=1] [NEW=n] python3 gpu/probe_tf_parts.py [cuda|cpu] [1b|tiny] [batch] [prompt]"""
+work, not a wait for earlier queued work; NEW=n: n new tokens per request, default 33; DEEP=1: the slice's and the
+batch view's own parts too). Each part is reported separately for the decode steps (the benchmark's) and the mixed ones
+(prefill chunks).
+Usage: [SYNC=1] [NEW=n] [DEEP=1] python3 gpu/probe_tf_parts.py [cuda|cpu] [1b|tiny] [batch] [prompt]"""
 
 import os
 import statistics
 import sys
 
+import kvcanary.adapter as ad
+import kvcanary.hostcopy as hc
 import kvcanary.integrations.transformers as kt
 import kvcanary.manager as mg
 import kvcanary.sweep as sw
+import kvcanary.upload as up
 import torch
 
 from bench.bench_transformers import LLAMA_1B, LLAMA_TINY, StepTimer, build_model, installed, prompts, run_once
@@ -52,6 +56,12 @@ for owner, name in ((kt.HFPoolAdapter, "batch_view"), (mg.CanaryManager, "begin_
                     (kt.HFPoolAdapter, "prefix_cache_export"), (kt.HFPoolAdapter, "_build_export"),
                     (sw.Sweeper, "roll"), (sw.Sweeper, "_derive")):
     time_calls(owner, name, times, sync)
+if os.environ.get("DEEP") == "1":  # inside the slice (export build, derive, launches) and the batch view
+    for owner, name in ((kt.HFPoolAdapter, "forget_hashes"), (kt, "export_of_blocks"), (hc, "packed"),
+                        (sw, "derive_roll"), (sw, "bind_plan_roll"), (sw.Sweeper, "_verify"),
+                        (ad.PrefixCacheExport, "validate"), (hc.StagedRows, "put"), (kt._Batch, "new_tokens"),
+                        (kt, "BatchView"), (up.Upload, "steady"), (ad.BatchView, "check_table")):
+        time_calls(owner, name, times)  # type: ignore[arg-type]
 
 model = build_model(cfg, device, torch.bfloat16 if device == "cuda" else torch.float32)
 ps = prompts(batch, prompt, cfg["vocab_size"])

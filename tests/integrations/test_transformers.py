@@ -633,10 +633,10 @@ def test_batch_new_tokens_match_the_fold_of_plain_histories(reqs: list[tuple[lis
 
 
 def test_export_holds_the_ledgers_chains(llama: Any, prompts: list[list[int]]) -> None:
-    """The sweep's export is every chain the ledger holds, found independently of the integration's records: each
-    request's blocks by walking its tokens through transformers' own block hashes (first position and parent from the
-    walk), unlocked exactly where cached. A hash dropped where no wrapper sees it (the ledger edited directly) takes its
-    block and the chains that follow it out of the export."""
+    """A build of the sweep's export is every chain the ledger holds, found independently of the integration's
+    records: each request's blocks by walking its tokens through transformers' own block hashes (first position and
+    parent from the walk), unlocked exactly where cached. A hash dropped where no wrapper sees it (the ledger edited
+    directly) takes its block and the chains that follow it out of the export."""
     from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
 
     tokens: dict[str, list[int]] = {}  # per request, the tokens of its last block completion
@@ -662,7 +662,7 @@ def test_export_holds_the_ledgers_chains(llama: Any, prompts: list[list[int]]) -
         return want
 
     def exported(ad: kt.HFPoolAdapter) -> tuple[dict[int, tuple[int, int]], dict[int, bool]]:
-        e = ad.prefix_cache_export()
+        e = ad._build_export()  # what the export holds once built (prefix_cache_export may hand out an older one)
         assert e is not None and e.unlocked is not None
         slots, unlocked = e.slots.tolist(), e.unlocked.tolist()
         got, unl = {}, {}
@@ -716,26 +716,44 @@ def test_dense_slots(llama: Any) -> None:
         mgr.destroy()
 
 
-def test_export_is_rebuilt_only_when_the_block_lifecycle_moves(llama: Any, prompts: list[list[int]]) -> None:
-    """The sweep's export is the same object while nothing changed, a fresh one after any lifecycle call, and always
-    equal to a rebuild from the ledger (the rolling sweep never sees a stale cache)."""
-    seen: list[tuple[bool, bool, bool]] = []
+def test_export_is_reused_only_while_the_cache_lost_nothing(llama: Any, prompts: list[list[int]]) -> None:
+    """The sweep's export is the same object while nothing changed; after changes that only gained blocks, the same
+    object for ``EXPORT_REUSES`` more calls, then a rebuild equal to one from the ledger; after a lost block, a rebuild
+    at once. Every export handed out holds only chains a fresh build holds too: a reused export lacks new blocks, never
+    holds a block that left the cache."""
+    seen: list[tuple[bool, bool, bool, bool]] = []
+
+    def chains(e: Any) -> set[tuple[int, int, int]]:
+        return set(zip(e.slots[e.starts].tolist(), e.first_positions.tolist(), e.prev_slots.tolist(), strict=True))
+
+    def equal(a: Any, b: Any) -> bool:
+        return all(torch.equal(getattr(a, f), getattr(b, f))
+                   for f in ("slots", "starts", "lens", "first_positions", "prev_slots", "unlocked"))
 
     def check(mgr: Any, i: int) -> None:
         (session,) = [s for s in handle.iter_sessions() if s.proc is mgr.batch_processor]
-        ad = session.adapter
+        ad, ledger = session.adapter, session.adapter.alloc.ledger
         first = ad.prefix_cache_export()
-        again = ad.prefix_cache_export()
-        fresh = ad._build_export()
-        same = first is not None and fresh is not None and all(
-            torch.equal(getattr(first, f), getattr(fresh, f))
-            for f in ("slots", "starts", "lens", "first_positions", "prev_slots", "unlocked"))
-        ad.touch()
-        seen.append((again is first, same, ad.prefix_cache_export() is not first))
+        subset = chains(first) <= chains(ad._build_export())
+        # a block leaves the cache (its hash dropped, as an eviction does), then is forgotten as the wrappers do, or
+        # (every other request) not: a path the integration does not see, found by the ledger's count
+        b = next(iter(ledger.cached_blocks))
+        ledger.hash_to_block.pop(ledger.block_to_hash.pop(b))
+        ledger.cached_blocks.pop(b)
+        if i % 2 == 0:
+            ad.forget_hashes()
+        after = ad.prefix_cache_export()
+        lost = after is not first and b * PAGE not in set(after.slots.tolist()) and equal(after, ad._build_export())
+        reused = [ad.prefix_cache_export()]  # nothing changed
+        for _ in range(kt.EXPORT_REUSES + 1):
+            ad.touch()  # a lifecycle call that drops nothing
+            reused.append(ad.prefix_cache_export())
+        rebuilt = all(e is after for e in reused[:-1]) and reused[-1] is not after and equal(reused[-1], after)
+        seen.append((subset, lost, rebuilt, chains(after) <= chains(reused[-1])))
 
     with kt.install(llama, raise_config()) as handle:
         run_manager(llama, prompts[:3], sequential=True, between=check, max_new_tokens=4)
-    assert seen == [(True, True, True)] * 3
+    assert seen == [(True, True, True, True)] * 3
 
 
 def test_decode_steps_reuse_the_export(llama: Any, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:

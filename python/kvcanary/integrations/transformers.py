@@ -47,6 +47,10 @@ _REQUIRED = (
 
 # the stats keys of kvcanary's own host time on the generation thread (TransformersCanary.host_us)
 HOST_TIME_KEYS = ("bracket_us", "snapshot_us", "lifecycle_us")
+# calls of prefix_cache_export that may hand out an export lacking the blocks hashed since it was built (rolling sweep:
+# one call per slice, so new blocks join it within this many slices plus one; the rebuild and the sweep's derive from
+# it cost 0.5-0.8 ms of host time per call on an H100 host: bench/results/host_session23)
+EXPORT_REUSES = 3
 
 
 class TransformersIntegrationError(KVCanaryError, RuntimeError):
@@ -196,6 +200,21 @@ def _token_at(prompt: Sequence[int], generated: Sequence[int], p: int) -> int:
     return prompt[p] if k < 0 else generated[k] if k < len(generated) else -1
 
 
+@dataclass(frozen=True)
+class _Export:
+    """The adapter's last export: the lifecycle key it was handed out under, the adapter's ``losses`` when it was
+    built, and how many calls have handed it out since the cache changed."""
+
+    key: tuple[int, int, int]
+    losses: int
+    export: PrefixCacheExport
+    reuses: int = 0
+
+    def reused(self, key: tuple[int, int, int]) -> _Export:
+        """The same export, handed out once more under ``key``."""
+        return _Export(key, self.losses, self.export, self.reuses + 1)
+
+
 class HFPoolAdapter:
     """The kvcanary engine adapter over one ``PagedAttentionCache`` (full-attention group only).
 
@@ -250,9 +269,11 @@ class HFPoolAdapter:
         self._recorded = np.zeros(self.total_blocks, dtype=bool)
         self._hashed_upto: dict[str, int] = {}  # request -> leading blocks of its table already recorded
         # the export of the last sweep and what it was built from: the block lifecycle calls touch(), so an unchanged
-        # cache hands the sweep the same (immutable) export object again
+        # cache hands the sweep the same (immutable) export object again; one that only gained blocks since, for up
+        # to EXPORT_REUSES calls (prefix_cache_export)
         self.version = 0
-        self._export: tuple[tuple[int, int, int], PrefixCacheExport] | None = None
+        self.losses = 0  # forget_hashes calls that dropped a recorded block
+        self._export: _Export | None = None
         self._warned_fallback = False
 
     # ------------------------------------------------------------------ pool description
@@ -382,19 +403,34 @@ class HFPoolAdapter:
         for b in gone:
             del self._hashes[b]
         self._recorded[gone] = False
+        self.losses += bool(gone)
 
     def touch(self) -> None:
         """The block lifecycle changed something the export holds (hashes, cached blocks)."""
         self.version += 1
 
     def prefix_cache_export(self) -> PrefixCacheExport | None:
-        """Every hashed block (live or cached) as a chain of ``page_size`` slots; ``unlocked`` = cached. Rebuilt only
-        when the lifecycle touched the cache or the ledger's sizes moved (the same object otherwise)."""
+        """Every hashed block (live or cached) as a chain of ``page_size`` slots; ``unlocked`` = cached.
+
+        The same object while the lifecycle touched nothing and the ledger's sizes held. After a change that dropped
+        no block from the cache, the same object for up to :data:`EXPORT_REUSES` more calls: it lacks the blocks
+        hashed since (a sweep verifies them once a rebuild takes them in), and every chain it holds still holds the
+        tokens it held. A dropped block (eviction, no-cache free, reset) forces a rebuild at once: its slots may hold
+        other tokens by now. So a busy cache, which hashes a block nearly every forward, is rebuilt every
+        ``EXPORT_REUSES + 1``-th call, not every call."""
         ledger = self.alloc.ledger
         key = (self.version, len(ledger.block_to_hash), len(ledger.cached_blocks))
-        if self._export is None or self._export[0] != key:
-            self._export = (key, self._build_export())
-        return self._export[1]
+        e = self._export
+        if e is not None and e.key != key:
+            # every loss the ledger can make goes through forget_hashes (the wrappers call it); a count that differs
+            # from the recorded one means a path this integration does not see: rebuild
+            gained_only = e.losses == self.losses and len(self._hashes) == len(ledger.block_to_hash)
+            e = e.reused(key) if gained_only and e.reuses < EXPORT_REUSES else None
+        if e is None:
+            export = self._build_export()  # may forget hashes first: the losses it counts are in this build
+            e = _Export(key, self.losses, export)
+        self._export = e
+        return e.export
 
     def _build_export(self) -> PrefixCacheExport:
         """The hashed blocks whose parent is hashed too, in block order, built on the host and moved in one copy (no
