@@ -3,8 +3,8 @@ of a random Llama): the adapter's batch view, begin_forward, pre_forward, post_f
 end_forward the rolling sweep's slice (_roll: the export, its derive when new, the slice's launches), each timed
 around its call (no sync: host time; SYNC=1: the device synchronized before each, untimed, so a part's time is its own
 work, not a wait for earlier queued work; NEW=n: n new tokens per request, default 33; DEEP=1: the slice's and the
-batch view's own parts too). Each part is reported separately for the decode steps (the benchmark's) and the mixed ones
-(prefill chunks).
+batch view's own parts, the eager graphs' launches and the write check too). Each part is reported separately for the
+decode steps (the benchmark's) and the mixed ones (prefill chunks).
 Usage: [SYNC=1] [NEW=n] [DEEP=1] python3 gpu/probe_tf_parts.py [cuda|cpu] [1b|tiny] [batch] [prompt]"""
 
 import os
@@ -15,6 +15,7 @@ import kvcanary.adapter as ad
 import kvcanary.hostcopy as hc
 import kvcanary.integrations.transformers as kt
 import kvcanary.manager as mg
+import kvcanary.program as pg
 import kvcanary.sweep as sw
 import kvcanary.upload as up
 import torch
@@ -60,7 +61,9 @@ if os.environ.get("DEEP") == "1":  # inside the slice (export build, derive, lau
     for owner, name in ((kt.HFPoolAdapter, "forget_hashes"), (kt, "export_of_blocks"), (hc, "packed"),
                         (sw, "derive_roll"), (sw, "bind_plan_roll"), (sw.Sweeper, "_verify"),
                         (ad.PrefixCacheExport, "validate"), (hc.StagedRows, "put"), (kt._Batch, "new_tokens"),
-                        (kt, "BatchView"), (up.Upload, "steady"), (ad.BatchView, "check_table")):
+                        (kt, "BatchView"), (up.Upload, "steady"), (ad.BatchView, "check_table"),
+                        (pg.EagerGraphs, "__call__"), (torch.cuda.CUDAGraph, "replay"),
+                        (mg.CanaryManager, "_expect_sweep"), (kt._Session, "_check_writes")):
         time_calls(owner, name, times)  # type: ignore[arg-type]
 
 model = build_model(cfg, device, torch.bfloat16 if device == "cuda" else torch.float32)

@@ -87,20 +87,19 @@ class Health:
                 self._unfolded[v] = 0
         return self._expected
 
-    def expect(self, tag: int, verify_runs: int = 0, write_runs: int = 0) -> None:
-        """Record launches the host issued (or that a replayed graph must have run)."""
-        self._expected[tag, 0] += verify_runs
-        self._expected[tag, 1] += write_runs
-
     def add_variant(self, runs: np.ndarray) -> int:
-        """Register one forward's [NUM_LAUNCH_TAGS, 2] table of (verify, write) launches; returns its variant id for
-        :meth:`expect_forward`."""
+        """Register a [NUM_LAUNCH_TAGS, 2] table of (verify, write) launches the host issues together (one forward's,
+        one sweep chunk's); returns its variant id for :meth:`expect_forward` and :meth:`expect_runs`."""
         self._variants.append(runs)
         self._unfolded.append(0)
         return len(self._variants) - 1
 
+    def expect_runs(self, variant: int, times: int = 1) -> None:
+        """A registered variant's launches ran ``times`` times (its table is added when :attr:`expected` is read)."""
+        self._unfolded[variant] += times
+
     def expect_forward(self, variant: int) -> None:
-        """One forward of a registered variant ran (its table is added when :attr:`expected` is read)."""
+        """One forward of a registered variant ran."""
         self._unfolded[variant] += 1
         self.expected_forwards += 1
 

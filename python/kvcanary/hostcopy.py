@@ -13,6 +13,7 @@ from kvcanary_schema import NO_SLOT
 
 from kvcanary.adapter import PrefixCacheExport
 from kvcanary.errors import CanaryInputError
+from kvcanary.streams import CurrentStream
 
 
 @overload
@@ -75,6 +76,7 @@ class StagedRows:
         self._np = self._host.numpy()
         # CUDA: the last copy out of the host buffer (the next put overwrites the buffer once it has run)
         self._copied = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
+        self._stream = CurrentStream(self._dev.device.index or 0) if cuda else None
         self._views: dict[int, tuple[torch.Tensor, ...]] = {}
         self._host_views: dict[int, tuple[np.ndarray, ...]] = {}
 
@@ -86,9 +88,9 @@ class StagedRows:
         if self._copied is not None:
             self._copied.synchronize()
         self._np[:, :n] = values
-        if self._copied is not None:
+        if self._copied is not None and self._stream is not None:
             self._dev.copy_(self._host, non_blocking=True)  # queued on the device buffer's device's current stream
-            self._copied.record(torch.cuda.current_stream(self._dev.device))
+            self._copied.record(self._stream.get())
         v = self._views.get(n)
         if v is None:
             v = self._views[n] = self._dev[:, :n].unbind()

@@ -8,8 +8,9 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
-from kvcanary_schema import Group, Half, LaunchTag, Stage
+from kvcanary_schema import NUM_LAUNCH_TAGS, Group, Half, LaunchTag, Stage
 
 from kvcanary.adapter import BatchView, EngineAdapter, PoolDescription, PrefixCacheExport, TransferBuffer
 from kvcanary.config import CanaryConfig, CanaryMode
@@ -106,6 +107,7 @@ class CanaryManager:
         self.reporter.on_report = self._on_report
         self._reports = self.reporter.reports
         self._variants = [self.health.add_variant(self.program.launches(reuse).numpy()) for reuse in (False, True)]
+        self._sweep_variant = self.health.add_variant(self._sweep_launches())
         self._captured: set[tuple[int, int, int]] = set()
         self._invalidates = [bind_invalidate(g.records, g.spec.reserved_slots, self.backend) for g in self.state.groups
                              if g.spec.group == Group.FULL]
@@ -353,12 +355,18 @@ class CanaryManager:
             self._expect_sweep(1)
             self.reporter.sweep_slices[self.forwards] = sl
 
-    def _expect_sweep(self, chunks: int) -> None:
-        """Tell the watchdog about ``chunks`` sweep plans verified (TAIL, plus HEAD where sealed)."""
+    def _sweep_launches(self) -> np.ndarray:
+        """[NUM_LAUNCH_TAGS, 2]: the (verify, write) launches of one sweep plan's verifies (TAIL, plus HEAD where
+        sealed)."""
+        out = np.zeros((NUM_LAUNCH_TAGS, 2), dtype=np.int64)
         for g in self.state.groups:
             for h in range(g.spec.halves):
-                runs = chunks * (2 if g.seal is not None else 1)
-                self.health.expect(int(LaunchTag.of(Stage.SWEEP, Half(h), g.spec.group)), runs, 0)
+                out[int(LaunchTag.of(Stage.SWEEP, Half(h), g.spec.group)), 0] = 2 if g.seal is not None else 1
+        return out
+
+    def _expect_sweep(self, chunks: int) -> None:
+        """Tell the watchdog about ``chunks`` sweep plans verified (one registered table: no per-tag work per slice)."""
+        self.health.expect_runs(self._sweep_variant, chunks)
 
     def _sweep_due(self, step: int) -> bool:
         return bool(self._sweep_every) and step % self._sweep_every == 0

@@ -72,8 +72,9 @@ class Sweeper:
         # rolling sweep: the export chain of each slice entry (a slice past the pool would verify slots twice)
         width = min(state.config.sweep_slice * state.config.sweep_roll_interval, state.pool.num_slots)
         self.chain_out = torch.zeros(width, dtype=torch.int64, device=state.device)
-        # the last export rolled over and its slice planner (bound on what derive_roll derived from it)
-        self._derived: tuple[PrefixCacheExport, Callable[[int], None]] | None = None
+        # the last export rolled over, its slice planner (bound on what derive_roll derived from it) and its slots as
+        # the verifies' table
+        self._derived: tuple[PrefixCacheExport, Callable[[int], None], torch.Tensor] | None = None
         self._verifies = self._bind_verifies()
 
     def run(self, export: PrefixCacheExport) -> int:
@@ -89,7 +90,7 @@ class Sweeper:
                        export.first_positions[c0:c1], export.prev_slots[c0:c1],
                        expect_end=None if export.expect_end is None else export.expect_end[c0:c1],
                        backend=self.backend)
-            self._verify(export.slots)
+            self._verify(export.slots.view(1, -1))
             chunks += 1
         self.launched += 1
         self.chains_last = n
@@ -111,9 +112,10 @@ class Sweeper:
         if export.slots.shape[0] == 0 or export.num_chains == 0:
             return None
         if self._derived is None or self._derived[0] is not export:
-            self._derived = (export, self._derive(export))
-        self._derived[1](cursor)
-        self._verify(export.slots)
+            self._derived = (export, self._derive(export), export.slots.view(1, -1))
+        _, plan, table = self._derived
+        plan(cursor)
+        self._verify(table)
         self.launched += 1
         self.slices += 1
         return SweepSlice(export, self.chain_out.clone())
@@ -151,8 +153,8 @@ class Sweeper:
                                        fingerprint=g.seal, backend=self.backend).frozen())
         return ops
 
-    def _verify(self, slots: torch.Tensor) -> None:
-        table = slots.view(1, -1)
+    def _verify(self, table: torch.Tensor) -> None:
+        """The sweep plan's verifies over ``table`` (the export's slots, [1, N])."""
         for op in self._verifies:
             op(table)
 

@@ -258,6 +258,9 @@ class HFPoolAdapter:
         # in one copy, its converted write slots (grown on demand)
         self._facts = StagedRows(5, self.req_rows, self.device)
         self._out = torch.empty(0, dtype=torch.int64, device=self.device)
+        # _views: the buffers its views are of, and the views by token count
+        self._view_bases: tuple[torch.Tensor, ...] = ()
+        self._view_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(self.req_rows - 1, -1, -1))
         # the hashed blocks recorded (the ledger keeps neither positions nor parents): per block its content hash, and
@@ -346,28 +349,36 @@ class HFPoolAdapter:
         starts = list(itertools.accumulate(kv, initial=0))
         total = starts.pop()
         dev_rows, dev_pre, dev_ext, dev_kv, dev_starts = self._facts.put((rows, pre, ext, kv, starts), bs)
-        write = io.write_index_storage[0, :n]
-        out = self._write_slots(n)
-        src = self._read_slots(io, batch, total, n) if total else write[:0]
+        write, input_ids, positions, out = self._views(io, n)
+        src = self._read_slots(io, batch, total, write) if total else write[:0]
         self._slot_rows(dev_rows, dev_starts, dev_kv, src, out, write)
         host_rows, host_pre, host_ext = self._facts.host_rows(bs)[:3]  # the facts as arrays: no conversion in begin
-        return BatchView(dev_rows, dev_pre, dev_ext, self.req_to_token, io.input_ids[:n], io.position_ids[:n], out,
+        return BatchView(dev_rows, dev_pre, dev_ext, self.req_to_token, input_ids, positions, out,
                          ids, host_rows, host_pre, host_ext, _Histories(batch.states),
                          true_new_tokens=batch.new_tokens(n))
 
-    def _write_slots(self, n: int) -> torch.Tensor:
-        """The batch view's ``n`` converted write slots: the front of one buffer kept across forwards (each forward's
-        slot_rows, stage copy and plan are queued before the next one's conversion overwrites it)."""
+    def _views(self, io: Any, n: int) -> tuple[torch.Tensor, ...]:
+        """The forward's ``n`` write-index entries, input ids and positions (views of transformers' persistent
+        buffers) and converted write slots (the front of one buffer of the canary's, kept across forwards: each
+        forward's slot_rows, stage copy and plan are queued before the next one's conversion overwrites it). The views
+        are made once per ``n`` while those buffers stay the same objects: each costs microseconds every forward."""
         if self._out.shape[0] < n:
             self._out = torch.empty(max(n, 2 * self._out.shape[0]), dtype=torch.int64, device=self.device)
-        return self._out[:n]
+        bases = (io.write_index_storage, io.input_ids, io.position_ids, self._out)
+        if not all(map(operator.is_, bases, self._view_bases)):
+            self._view_bases, self._view_cache = bases, {}
+        views = self._view_cache.get(n)
+        if views is None:
+            views = self._view_cache[n] = (bases[0][0, :n], bases[1][:n], bases[2][:n], bases[3][:n])
+        return views
 
-    def _read_slots(self, io: Any, batch: _Batch, total: int, n: int) -> torch.Tensor:
-        """Sparse slots of positions 0..prefix+extend-1 of every request, in batch order (what the attention reads)."""
+    def _read_slots(self, io: Any, batch: _Batch, total: int, write: torch.Tensor) -> torch.Tensor:
+        """Sparse slots of positions 0..prefix+extend-1 of every request, in batch order (what the attention reads;
+        ``write``: the forward's write-index entries)."""
         if int(io.true_read_sizes[0]) == total:
             return io.read_index_storage[0, :total]  # type: ignore[no-any-return]
-        if int(io.true_read_sizes[0]) == 0 and total == n:  # no request reads cache: every prefix is empty
-            return io.write_index_storage[0, :n]  # type: ignore[no-any-return]
+        if int(io.true_read_sizes[0]) == 0 and total == write.shape[0]:  # no request reads cache: no prefix
+            return write
         if not self._warned_fallback:
             self._warned_fallback = True
             logger.warning("kvcanary: read index of %d slots for %d positions; rebuilding the slot table from the "
@@ -555,7 +566,7 @@ class _Session:
             with self.canary.forward(batch):
                 self.canary.pre_forward()
                 self.in_forward, self.layer_writes, self.stray_writes = True, 0, 0
-                self.write_ptr = io.write_index_storage[0].data_ptr()
+                self.write_ptr = io.write_index_storage.data_ptr()  # its row 0's: no view made
                 t1 = time.perf_counter()
                 self.ran_hf = True
                 try:
