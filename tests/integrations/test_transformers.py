@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -711,6 +712,38 @@ def test_dense_slots(llama: Any) -> None:
         slot_rows(ad.req_to_token, *(torch.zeros(0, dtype=torch.int64),) * 3, s[:0], out, s, ad.stride, ad.page,
                   ad.backend)
         assert out.tolist() == [0, 5, PAGE + 15, -1, 7 * PAGE + 3, -1, -1]
+    finally:
+        handle.uninstall()
+        mgr.destroy()
+
+
+def test_batch_view_views_follow_the_buffers(llama: Any) -> None:
+    """The batch view's views of transformers' buffers (write index row 0, input ids, positions) and of its own write
+    slots are made once per token count, and again once a buffer is replaced or the write slots outgrow theirs: never a
+    view of a buffer the forward no longer uses."""
+    mgr = llama.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
+    handle = kt.install(mgr, raise_config())
+    mgr.warmup()
+    try:
+        (session,) = list(handle.iter_sessions())
+        ad = session.adapter
+        io = SimpleNamespace(write_index_storage=torch.arange(128).view(2, 64), input_ids=torch.arange(64) + 1000,
+                             position_ids=torch.arange(64) + 2000)
+
+        def views(n: int) -> tuple[torch.Tensor, ...]:
+            got = ad._views(io, n)
+            bases = (io.write_index_storage, io.input_ids, io.position_ids, ad._out)
+            for v, b in zip(got, bases, strict=True):
+                assert v.shape == (n,) and v.data_ptr() == b.data_ptr() and torch.equal(v, b.view(-1)[:n])
+            return got
+
+        first = views(5)
+        assert views(5) is first and views(3) is not first  # the same count again: the same views
+        io.input_ids = torch.arange(64) + 3000  # transformers replaced a buffer
+        replaced = views(5)
+        assert replaced is not first and views(5) is replaced
+        grown = views(ad._out.shape[0] + 1)  # the write slots outgrow their buffer: a new one
+        assert grown[3].data_ptr() != replaced[3].data_ptr() and views(5) is not replaced
     finally:
         handle.uninstall()
         mgr.destroy()

@@ -259,7 +259,7 @@ class HFPoolAdapter:
         self._facts = StagedRows(5, self.req_rows, self.device)
         self._out = torch.empty(0, dtype=torch.int64, device=self.device)
         # _views: the buffers its views are of, and the views by token count
-        self._view_bases: tuple[torch.Tensor, ...] = ()
+        self._view_bases: tuple[torch.Tensor | None, ...] = (None,) * 4
         self._view_cache: dict[int, tuple[torch.Tensor, ...]] = {}
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(self.req_rows - 1, -1, -1))
