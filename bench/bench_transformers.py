@@ -48,6 +48,8 @@ TIMELINE_STEPS = 8  # decode steps past the skipped ones in each profiled run
 CI_TAIL = 0.025  # each tail of the distribution-free confidence interval of the pairs' median (95 %)
 TURN_TIMEOUT_S = 300.0  # a round-robin loop waiting longer than this for its turn raises (a run died)
 Config = tuple[str, dict[str, Any] | None]  # (name, CanaryConfig kwargs; None: no canary, the baseline)
+# --control: a second model with no canary, paired with the baseline as the variants are
+CONTROL = "control (a second baseline, no canary)"
 T = TypeVar("T")
 
 
@@ -292,7 +294,7 @@ def decode_steps(per_step: list[T], new_tokens: int, skip: int) -> list[T]:
 
 def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int, repeats: int, device: str,
             variants: list[tuple[str, dict[str, Any], float]], skip: int = 0,
-            loop_cpu: int | None = None) -> dict[str, Any]:
+            loop_cpu: int | None = None, control: bool = False) -> dict[str, Any]:
     """Repeats of the baseline and every variant run side by side: one model each (``make_model``, identical
     weights), their generation loops taking turns step by step (:class:`RoundRobin`), so the host's drift is common to
     a round. Each decode step of a variant pairs with the baseline's step of the same round; the overhead is the
@@ -307,13 +309,18 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
     of a decode step; where it is at most :data:`HOST_BOUND_BUSY_PCT` the step is host-bound, the canary's kernels
     run in the GPU's idle time and its host time adds to the step one for one: a lower bound of its cost, which does
     not see what it may cost transformers' own code. ``met_attributed``: that bound's upper quartile over the steps
-    within the target. ``met`` (:func:`_combined`): missed when the bound is over the target, else the pairs'."""
-    configs = configs_of(variants)
+    within the target. ``met`` (:func:`_combined`): missed when the bound is over the target, else the pairs'.
+
+    ``control``: one more model with no canary (:data:`CONTROL`), paired with the baseline like a variant: its pairs
+    measure the setup's own offset between two identical models (its row: the median and interval; an interval
+    that excludes 0 says the variants' intervals are narrower than the setup's error)."""
+    configs = configs_of(variants) + ([(CONTROL, None)] if control else [])
+    paired = [n for n, _, _ in variants] + ([CONTROL] if control else [])
     models = {name: make_model() for name, _ in configs}
     step_ms: dict[str, list[float]] = {n: [] for n in models}
     base_ms: list[float] = []  # each repeat's median baseline decode step (the spread of the host between repeats)
-    pairs: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # per round: variant / baseline step - 1, %
-    rep_pairs: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # each repeat's median pair
+    pairs: dict[str, list[float]] = {n: [] for n in paired}  # per round: variant / baseline step - 1, %
+    rep_pairs: dict[str, list[float]] = {n: [] for n in paired}  # each repeat's median pair
     host_ms: dict[str, list[float]] = {n: [] for n, _, _ in variants}
     life_ms: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # the block lifecycle wrappers' host time
     attributed: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # per decode step: canary / the rest, %
@@ -341,16 +348,17 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
         base_ms.append(medians["baseline"])
         for name in models:
             step_ms[name] += [1e3 * x for x in decode[name]]
-        for name, _, _ in variants:
-            st, canary_us = handles[name].stats, decode_steps(rr.canary_us[name], new_tokens, skip)
+        for name in paired:
             these = [100.0 * (v / b - 1.0) for v, b in zip(decode[name], decode["baseline"], strict=True)]
             pairs[name] += these
             rep_pairs[name].append(statistics.median(these))
+        for name, _, _ in variants:
+            st, canary_us = handles[name].stats, decode_steps(rr.canary_us[name], new_tokens, skip)
             host_ms[name].append(1e-3 * st["bracket_us"] / st["forwards"])
             life_ms[name].append(1e-3 * st["lifecycle_us"] / st["forwards"])
             attributed[name] += [100.0 * c / (1e6 * x - c) for x, c in zip(decode[name], canary_us, strict=True)]
             canary_ms[name] += [1e-3 * c for c in canary_us]
-    for name, _, _ in variants:  # before the profiled runs: a call that runs out of time still has these
+    for name in paired:  # before the profiled runs: a call that runs out of time still has these
         lo, hi = _median_ci(sorted(pairs[name]))
         print(f"{name}: step pairs median {statistics.median(pairs[name]):+.2f} %, 95 % interval [{lo:+.2f}, "
               f"{hi:+.2f}] over {len(pairs[name])} pairs", file=sys.stderr, flush=True)
@@ -360,6 +368,12 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
     spread = 100.0 * (max(base_ms) - min(base_ms)) / med(base_ms)
     rows: list[dict[str, Any]] = [{"config": "baseline", "decode_step_ms": round(med(step_ms["baseline"]), 3),
                                    "repeat_spread_pct": round(spread, 2), **timeline.get("baseline", {})}]
+    if control:
+        ps_sorted = sorted(pairs[CONTROL])
+        rows.append({"config": CONTROL, "decode_step_ms": round(med(step_ms[CONTROL]), 3),
+                     "overhead_pct": round(med(ps_sorted), 2),
+                     "overhead_ci95_pct": [round(x, 2) for x in _median_ci(ps_sorted)], "step_pairs": len(ps_sorted),
+                     "repeat_overheads_pct": [round(p, 2) for p in rep_pairs[CONTROL]]})
     for name, _, target in variants:
         ps_sorted, att = sorted(pairs[name]), sorted(attributed[name])
         gpu = timeline.get(name, {})
@@ -453,6 +467,8 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="also the default policy's parts, one at a time")
     ap.add_argument("--loop-cpu", type=int, default=max(os.sched_getaffinity(0)),
                     help="the core all generation loops are pinned to (default: this process's last; -1: not pinned)")
+    ap.add_argument("--control", action="store_true",
+                    help="also a second model with no canary, paired with the baseline: the setup's own offset")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if not 0 <= a.skip_decode < a.new_tokens - 1:
@@ -461,14 +477,15 @@ def main() -> None:
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     res = measure(lambda: build_model(cfg, a.device, dtype), prompts(a.batch, a.prompt, cfg["vocab_size"]),
                   a.new_tokens, a.repeats, a.device, VARIANTS + (PARTS if a.parts else []), a.skip_decode,
-                  None if a.loop_cpu < 0 else a.loop_cpu)
+                  None if a.loop_cpu < 0 else a.loop_cpu, a.control)
     for r in res["rows"]:
         print(json.dumps(r))
     out = {"machine": platform.node(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
            "command": f"python -m bench.bench_transformers --device {a.device} --model {a.model} --batch {a.batch} "
                       f"--prompt {a.prompt} --new-tokens {a.new_tokens} --repeats {a.repeats}"
-                      + (" --parts" if a.parts else "") + (f" --skip-decode {a.skip_decode}" if a.skip_decode else "")
+                      + (" --parts" if a.parts else "") + (" --control" if a.control else "")
+                      + (f" --skip-decode {a.skip_decode}" if a.skip_decode else "")
                       + f" --loop-cpu {a.loop_cpu}",
            "model": cfg, "dtype": str(dtype),
            "page_size": PAGE, "note": "decode-step time of transformers continuous batching (sdpa paged cache, no "

@@ -810,14 +810,18 @@ def test_decode_steps_reuse_the_export(llama: Any, prompts: list[list[int]], mon
 
 def test_benchmark_attributes_the_canary_host_time_per_step() -> None:
     """bench_transformers on a tiny CPU model: every canary config's rows carry its per-step host time and the
-    attributed overhead, from the handle's ``host_us`` (no profiled timeline on CPU: the verdict is the pairs')."""
-    from bench.bench_transformers import LLAMA_TINY, VARIANTS, build_model, measure
+    attributed overhead, from the handle's ``host_us`` (no profiled timeline on CPU: the verdict is the pairs'); the
+    control model's row carries its pairs with the baseline and nothing of a canary."""
+    from bench.bench_transformers import CONTROL, LLAMA_TINY, VARIANTS, build_model, measure
     from bench.bench_transformers import prompts as bench_prompts
 
     res = measure(lambda: build_model(LLAMA_TINY, "cpu", torch.float32), bench_prompts(4, 24, LLAMA_TINY["vocab_size"]),
-                  6, 1, "cpu", VARIANTS)
+                  6, 1, "cpu", VARIANTS, control=True)
     rows = {r["config"]: r for r in res["rows"]}
-    assert set(rows) == {"baseline", *(name for name, _, _ in VARIANTS)} and res["decode_steps_per_config"] == 5
+    assert set(rows) == {"baseline", CONTROL, *(name for name, _, _ in VARIANTS)}
+    assert res["decode_steps_per_config"] == 5 and rows[CONTROL]["step_pairs"] == 5
+    assert set(rows[CONTROL]) == {"config", "decode_step_ms", "overhead_pct", "overhead_ci95_pct", "step_pairs",
+                                  "repeat_overheads_pct"}
     for name, _, target in VARIANTS:
         r = rows[name]
         assert r["canary_host_ms_per_step"] > 0 and r["attributed_overhead_pct"] > 0, r

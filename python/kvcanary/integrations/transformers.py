@@ -551,6 +551,7 @@ class _Session:
         return _generation_step
 
     def _bracket(self, orig: Callable[..., Any], model: Any, scheduled: _Batch) -> Any:
+        t0 = time.perf_counter()
         io = self.proc.inputs_and_outputs
         if io.use_block_table:
             raise TransformersIntegrationError("the block-table (flash) decode path writes KV inside its kernel; "
@@ -560,7 +561,6 @@ class _Session:
         if cs is not None:  # order the canary (and the forward) after prepare_batch_tensors' copies
             cs.wait_stream(torch.cuda.current_stream(cs.device))
             ctx = torch.cuda.stream(cs)
-        t0 = time.perf_counter()
         with ctx:
             batch = self.adapter.batch_view(io, scheduled)
             with self.canary.forward(batch):
