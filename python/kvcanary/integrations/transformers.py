@@ -27,6 +27,7 @@ from kvcanary.manager import install as install_manager
 from kvcanary.ops.slot_rows import bind_slot_rows
 from kvcanary.ops.types import SourceSpec
 from kvcanary.report import ReportSink, Violation, WindowReport
+from kvcanary.streams import StreamHandoff
 from kvcanary.truth import new_token_truth
 
 logger = logging.getLogger("kvcanary")
@@ -494,6 +495,7 @@ class _Session:
         self.layer_writes = 0
         self.stray_writes = 0
         self.write_ptr = 0
+        self._handoff: StreamHandoff | None = None  # the bracket's ordering against transformers' compute stream
         self.stats: Counter[str] = Counter()
         self.patches = _Patches()
         alloc = self.adapter.alloc
@@ -558,8 +560,12 @@ class _Session:
                                                "kvcanary needs max_blocks_per_request=0")
         cs = io.compute_stream
         ctx: AbstractContextManager[Any] = nullcontext()
+        hand = None
         if cs is not None:  # order the canary (and the forward) after prepare_batch_tensors' copies
-            cs.wait_stream(torch.cuda.current_stream(cs.device))
+            hand = self._handoff
+            if hand is None or hand.stream is not cs:
+                hand = self._handoff = StreamHandoff(cs)
+            hand.enter()
             ctx = torch.cuda.stream(cs)
         with ctx:
             batch = self.adapter.batch_view(io, scheduled)
@@ -578,8 +584,8 @@ class _Session:
                     self.in_forward = False
                 t2 = time.perf_counter()
                 self.canary.post_forward()
-        if cs is not None:
-            torch.cuda.current_stream(cs.device).wait_stream(cs)
+        if hand is not None:
+            hand.leave()
         self.stats["forwards"] += 1
         self.stats["tokens"] += batch.num_tokens
         # host time of the bracket around transformers' step (the kernels are asynchronous on CUDA)

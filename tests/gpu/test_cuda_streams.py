@@ -1,0 +1,41 @@
+"""StreamHandoff on CUDA: work on the side stream runs after what the current stream queued before enter(), and the
+current stream's later work runs after what the side stream queued before leave()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvcanary.streams import StreamHandoff
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+CUDA = torch.device("cuda", 0)
+SLEEP_CYCLES = 50_000_000  # torch.cuda._sleep: tens of ms, far longer than the host takes to queue what follows
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_handoff_orders_both_ways(rounds: int) -> None:
+    """Each round: the current stream writes behind a long kernel, the side stream reads it and writes behind another,
+    the current stream reads that; unordered, either read would see the old value. Rounds reuse the two events."""
+    side = torch.cuda.Stream(CUDA)  # type: ignore[no-untyped-call]
+    hand = StreamHandoff(side)
+    x = torch.zeros(1 << 16, device=CUDA)
+    for r in range(1, rounds + 1):
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+        x.fill_(r)
+        hand.enter()
+        with torch.cuda.stream(side):
+            seen = x.clone()  # after the fill: the side stream waits for it
+            torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+            y = seen * 2
+        hand.leave()
+        back = y.clone()  # on the current stream: after the side stream's work
+        y.record_stream(torch.cuda.current_stream(CUDA))
+        assert seen.eq(r).all().item() and back.eq(2 * r).all().item()
+
+
+def test_leave_without_enter_queues_nothing() -> None:
+    """leave() with no enter() before it (a bracket that failed before its enter) records and waits on nothing."""
+    side = torch.cuda.Stream(CUDA)  # type: ignore[no-untyped-call]
+    hand = StreamHandoff(side)
+    hand.leave()
+    assert hand._done.query() and side.query()
