@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -697,14 +698,23 @@ def test_export_holds_the_ledgers_chains(llama: Any, prompts: list[list[int]]) -
     assert len(sizes) == len(prompts) and sizes[0] > 0 and sizes[-1] > sizes[0]
 
 
-def test_dense_slots(llama: Any) -> None:
-    """Sparse transformers rows -> dense slots: token rows map 1:1, V/other-layer rows and negatives to NO_SLOT."""
+@contextmanager
+def installed_adapter(llama: Any) -> Iterator[kt.HFPoolAdapter]:
+    """The adapter of a canary installed on a warmed-up manager of ``llama`` that has run nothing."""
     mgr = llama.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
     handle = kt.install(mgr, raise_config())
     mgr.warmup()
     try:
         (session,) = list(handle.iter_sessions())
-        ad = session.adapter
+        yield session.adapter
+    finally:
+        handle.uninstall()
+        mgr.destroy()
+
+
+def test_dense_slots(llama: Any) -> None:
+    """Sparse transformers rows -> dense slots: token rows map 1:1, V/other-layer rows and negatives to NO_SLOT."""
+    with installed_adapter(llama) as ad:
         stride = ad.stride
         assert stride == 2 * PAGE * 2 and ad.num_slots == ad.total_blocks * PAGE
         s = torch.tensor([0, 5, stride + 15, stride + 16, 7 * stride + 3, -1, 3 * stride - 1])
@@ -712,21 +722,13 @@ def test_dense_slots(llama: Any) -> None:
         slot_rows(ad.req_to_token, *(torch.zeros(0, dtype=torch.int64),) * 3, s[:0], out, s, ad.stride, ad.page,
                   ad.backend)
         assert out.tolist() == [0, 5, PAGE + 15, -1, 7 * PAGE + 3, -1, -1]
-    finally:
-        handle.uninstall()
-        mgr.destroy()
 
 
 def test_batch_view_views_follow_the_buffers(llama: Any) -> None:
     """The batch view's views of transformers' buffers (write index row 0, input ids, positions) and of its own write
     slots are made once per token count, and again once a buffer is replaced or the write slots outgrow theirs: never a
     view of a buffer the forward no longer uses."""
-    mgr = llama.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
-    handle = kt.install(mgr, raise_config())
-    mgr.warmup()
-    try:
-        (session,) = list(handle.iter_sessions())
-        ad = session.adapter
+    with installed_adapter(llama) as ad:
         io = SimpleNamespace(write_index_storage=torch.arange(128).view(2, 64), input_ids=torch.arange(64) + 1000,
                              position_ids=torch.arange(64) + 2000)
 
@@ -744,9 +746,6 @@ def test_batch_view_views_follow_the_buffers(llama: Any) -> None:
         assert replaced is not first and views(5) is replaced
         grown = views(ad._out.shape[0] + 1)  # the write slots outgrow their buffer: a new one
         assert grown[3].data_ptr() != replaced[3].data_ptr() and views(5) is not replaced
-    finally:
-        handle.uninstall()
-        mgr.destroy()
 
 
 def test_export_is_reused_only_while_the_cache_lost_nothing(llama: Any, prompts: list[list[int]]) -> None:
