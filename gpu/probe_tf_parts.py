@@ -3,13 +3,14 @@ of a random Llama): the adapter's batch view, begin_forward, pre_forward, post_f
 end_forward the rolling sweep's slice (_roll: the export, its derive when new, the slice's launches), each timed
 around its call (no sync: host time; SYNC=1: the device synchronized before each, untimed, so a part's time is its own
 work, not a wait for earlier queued work; NEW=n: n new tokens per request, default 33; DEEP=1: the slice's and the
-batch view's own parts, the eager graphs' launches and the write check too). Each part is reported separately for the
-decode steps (the benchmark's) and the mixed ones (prefill chunks).
+batch view's own parts, the eager graphs' launches, the write check and the per-layer KV-write hook too). Each part is
+reported separately for the decode steps (the benchmark's) and the mixed ones (prefill chunks).
 Usage: [SYNC=1] [NEW=n] [DEEP=1] python3 gpu/probe_tf_parts.py [cuda|cpu] [1b|tiny] [batch] [prompt]"""
 
 import os
 import statistics
 import sys
+import time
 
 import kvcanary.adapter as ad
 import kvcanary.hostcopy as hc
@@ -65,6 +66,30 @@ if os.environ.get("DEEP") == "1":  # inside the slice (export build, derive, lau
                         (pg.EagerGraphs, "__call__"), (torch.cuda.CUDAGraph, "replay"),
                         (mg.CanaryManager, "_expect_sweep"), (kt._Session, "_check_writes")):
         time_calls(owner, name, times)  # type: ignore[arg-type]
+    wrap_update = kt._Session._wrap_update
+
+    def timed_wrap_update(self, orig):  # type: ignore[no-untyped-def]
+        """The KV-write hook's own time per layer call: the hook's call less transformers' update inside it."""
+        inner_s = [0.0]
+
+        def timed_orig(*a, **k):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                inner_s[0] = time.perf_counter() - t
+
+        hook = wrap_update(self, timed_orig)
+
+        def update(*a, **k):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            try:
+                return hook(*a, **k)
+            finally:
+                times.setdefault("kv-write hook", []).append(time.perf_counter() - t - inner_s[0])
+        return update
+
+    kt._Session._wrap_update = timed_wrap_update  # type: ignore[method-assign]
 
 model = build_model(cfg, device, torch.bfloat16 if device == "cuda" else torch.float32)
 ps = prompts(batch, prompt, cfg["vocab_size"])
