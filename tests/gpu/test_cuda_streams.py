@@ -34,8 +34,14 @@ def test_handoff_orders_both_ways(rounds: int) -> None:
 
 
 def test_leave_without_enter_queues_nothing() -> None:
-    """leave() with no enter() before it (a bracket that failed before its enter) records and waits on nothing."""
+    """leave() with no enter() before it (a bracket that failed before its enter) records and waits on nothing: with
+    the side stream busy, its event stays unrecorded and the current stream stays idle."""
+    torch.cuda.synchronize()
     side = torch.cuda.Stream(CUDA)  # type: ignore[no-untyped-call]
     hand = StreamHandoff(side)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
     hand.leave()
-    assert hand._done.query() and side.query()
+    recorded, waited = not hand._done.query(), not torch.cuda.current_stream(CUDA).query()
+    side.synchronize()
+    assert not recorded and not waited
