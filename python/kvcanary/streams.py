@@ -1,5 +1,5 @@
-"""torch's current CUDA stream of one device without torch.cuda.current_stream's per-call Python (lazy-init checks,
-device lookup, a new Stream object): the hot path records events on it every forward."""
+"""The hot path's CUDA streams without torch.cuda's per-call Python (lazy-init checks, device lookups, new Stream
+objects): the current stream of a device, and a handoff to another stream and back."""
 
 from __future__ import annotations
 
@@ -25,28 +25,46 @@ class CurrentStream:
 
 
 class StreamHandoff:
-    """Work queued on ``stream`` between :meth:`enter` and :meth:`leave`, ordered after what the current stream had
-    queued and before what it queues next: ``stream.wait_stream(current)``, then ``current.wait_stream(stream)``, with
-    two events kept across calls (each ``wait_stream`` makes a new one) and the current stream from
-    :class:`CurrentStream`. Reusing an event is safe: a wait takes the event's state when it is queued."""
+    """Work queued on ``stream`` between :meth:`enter` and :meth:`leave`, with ``stream`` current meanwhile, ordered
+    after what the current stream had queued and before what it queues next: ``stream.wait_stream(current)`` and
+    ``torch.cuda.stream(stream)``, then ``current.wait_stream(stream)``, with two events kept across calls (each
+    ``wait_stream`` makes a new one), the current stream from :class:`CurrentStream` and the stream switched by
+    torch's own setter (``torch.cuda.stream`` costs tens of µs of Python per use). Reusing an event is safe: a wait
+    takes the event's state when it is queued."""
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         """For ``stream`` (of a CUDA device; CUDA initialised)."""
         self.stream = stream
         self._current = CurrentStream(stream.device_index)
         self._entered: torch.cuda.Stream | None = None  # the current stream at enter()
+        self._device = 0  # the current device at enter() (setting a stream makes its device current)
         self._ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self._done = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
     def enter(self) -> None:
-        """``stream`` waits for the work queued on the current stream so far."""
-        current = self._entered = self._current.get()
+        """``stream`` waits for the work queued on the current stream so far, then becomes the current stream."""
+        current = self._current.get()
         self._ready.record(current)
         self.stream.wait_event(self._ready)
+        self._device = torch._C._cuda_getDevice()
+        _set_stream(self.stream)
+        self._entered = current
 
     def leave(self) -> None:
-        """The stream that was current at :meth:`enter` waits for the work queued on ``stream`` so far."""
-        if self._entered is not None:
-            self._done.record(self.stream)
-            self._entered.wait_event(self._done)
-            self._entered = None
+        """The stream that was current at :meth:`enter` is current again and waits for the work queued on ``stream``
+        so far; the device current at :meth:`enter` is current again. Nothing without an :meth:`enter` before it."""
+        entered, self._entered = self._entered, None
+        if entered is None:
+            return
+        self._done.record(self.stream)
+        _set_stream(entered)
+        if self._device != entered.device_index:
+            torch._C._cuda_setDevice(self._device)
+        entered.wait_event(self._done)
+
+
+def _set_stream(stream: torch.cuda.Stream) -> None:
+    """Make ``stream`` the current stream of its device, and its device the current device (torch.cuda.set_stream's
+    own call, without its Python wrappers)."""
+    torch._C._cuda_setStream(stream_id=stream.stream_id, device_index=stream.device_index,
+                             device_type=stream.device_type)

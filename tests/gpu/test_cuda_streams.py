@@ -1,5 +1,6 @@
-"""StreamHandoff on CUDA: work on the side stream runs after what the current stream queued before enter(), and the
-current stream's later work runs after what the side stream queued before leave()."""
+"""StreamHandoff on CUDA: between enter() and leave() the side stream is current; work on it runs after what the current
+stream queued before enter(), and the current stream's later work runs after what the side stream queued before
+leave()."""
 
 from __future__ import annotations
 
@@ -23,10 +24,9 @@ def test_handoff_orders_both_ways(rounds: int) -> None:
         torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
         x.fill_(r)
         hand.enter()
-        with torch.cuda.stream(side):
-            seen = x.clone()  # after the fill: the side stream waits for it
-            torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-            y = seen * 2
+        seen = x.clone()  # on the side stream, after the fill: it waits for it
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+        y = seen * 2
         hand.leave()
         back = y.clone()  # on the current stream: after the side stream's work
         y.record_stream(torch.cuda.current_stream(CUDA))
@@ -45,3 +45,20 @@ def test_leave_without_enter_queues_nothing() -> None:
     recorded, waited = not hand._done.query(), not torch.cuda.current_stream(CUDA).query()
     side.synchronize()
     assert not recorded and not waited
+
+
+def test_enter_makes_the_stream_current_and_leave_restores_the_one_before() -> None:
+    """Under a non-default current stream: enter() makes the side stream current, leave() the one current before; the
+    current device stays the same; a failed bracket's leave() (no enter) changes nothing."""
+    outer, side = torch.cuda.Stream(CUDA), torch.cuda.Stream(CUDA)  # type: ignore[no-untyped-call]
+    hand = StreamHandoff(side)
+    with torch.cuda.stream(outer):
+        for _ in range(2):
+            hand.enter()
+            inside = torch.cuda.current_stream(CUDA)
+            hand.leave()
+            assert inside == side and torch.cuda.current_stream(CUDA) == outer
+            assert torch.cuda.current_device() == CUDA.index
+        hand.leave()
+        assert torch.cuda.current_stream(CUDA) == outer
+    assert torch.cuda.current_stream(CUDA) == torch.cuda.default_stream(CUDA)

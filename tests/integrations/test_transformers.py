@@ -240,6 +240,71 @@ def test_log_mode_keeps_generating(llama: Any, prompts: list[list[int]]) -> None
     assert "r0" in {v.request_id for v in handle.violations}
 
 
+def stray_writes_from(forward: int, counts: dict[str, int]) -> Callable[[Any], None]:
+    """From the ``forward``-th forward on (0-based), layer 1 writes its KV through a copy of the batch's write index:
+    the same slots, so the KV and the canary's records stay right; only the write check can see it."""
+    def inject(proc: Any) -> None:
+        def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: Any) -> Any:
+                counts["forwards"] += layer_idx == 0
+                if layer_idx != 1 or counts["forwards"] <= forward:
+                    return orig(key_states, value_states, layer_idx, kwargs)
+                counts["stray"] += 1
+                index = kwargs["write_index"]  # transformers updates kwargs in place: swap this one entry back
+                kwargs["write_index"] = index.clone() if isinstance(index, torch.Tensor) else [i.clone() for i in index]
+                try:
+                    return orig(key_states, value_states, layer_idx, kwargs)
+                finally:
+                    kwargs["write_index"] = index
+            return update
+        wrap_instance(proc.cache, "update", make)
+    return inject
+
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_kv_writes_outside_the_batch_view_are_detected(llama: Any, start: int, monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A layer writing KV through another index than the batch's is reported: at once on a forward of a new batch
+    shape (start 0: the first forward), else by the next periodic check (start 5: decode forwards of shapes already
+    checked; a check every 4 forwards here). A shape that failed stays checked on every forward."""
+    monkeypatch.setattr(kt, "WRITE_CHECK_INTERVAL", 4)
+    counts: dict[str, int] = {"forwards": 0, "stray": 0}
+    handle = kt.install(llama, raise_config(mode="log"))
+    try:
+        run_manager(llama, distinct_prompts(), max_new_tokens=12, inject=stray_writes_from(start, counts))
+    finally:
+        handle.uninstall()
+    st = handle.stats
+    assert counts["stray"] > 0 and st["write_problems"] >= 1 and st["forwards"] == counts["forwards"], (counts, st)
+    assert "2 KV writes (1 through other slots" in caplog.text  # the first problem logged is the stray write
+    if start == 0:
+        assert st["write_problems"] == st["write_checks"] == st["forwards"], st
+    else:
+        assert st["write_checks"] < st["forwards"], st
+
+
+def test_kv_writes_are_checked_on_new_shapes_and_periodically(llama: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clean run: every new batch shape's first forward is checked and one forward in WRITE_CHECK_INTERVAL; the
+    others run without the hook (it counts no write)."""
+    monkeypatch.setattr(kt, "WRITE_CHECK_INTERVAL", 5)
+    hooked: list[bool] = []
+    arm = kt._Session._arm_write_check
+
+    def spy(self: Any, batch: Any) -> bool:
+        check = arm(self, batch)
+        hooked.append(getattr(full_alloc(self.proc).update, "__kvcanary__", False))
+        return check
+    monkeypatch.setattr(kt._Session, "_arm_write_check", spy)
+    handle = kt.install(llama, raise_config())
+    try:
+        run_manager(llama, distinct_prompts(), max_new_tokens=16)
+    finally:
+        handle.uninstall()
+    st = handle.stats
+    assert st.get("write_problems", 0) == 0 and 0 < st["write_checks"] == sum(hooked) < st["forwards"], st
+    assert all(hooked[i] for i in range(0, len(hooked), 5)), hooked
+
+
 # ------------------------------------------------------------------------------------------------------ injected faults
 
 

@@ -9,7 +9,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, cast, overload
@@ -52,6 +51,9 @@ HOST_TIME_KEYS = ("bracket_us", "snapshot_us", "lifecycle_us")
 # one call per slice, so new blocks join it within this many slices plus one; the rebuild and the sweep's derive from
 # it cost 0.5-0.8 ms of host time per call on an H100 host: bench/results/host_session23)
 EXPORT_REUSES = 3
+# forwards between two KV-write checks of a batch shape that passed (its first forward is always checked)
+WRITE_CHECK_INTERVAL = 64
+MAX_WRITE_SHAPES = 4096  # batch shapes remembered as checked
 
 
 class TransformersIntegrationError(KVCanaryError, RuntimeError):
@@ -502,7 +504,11 @@ class _Session:
         p = self.patches
         p.wrap(proc, "_generation_step", self._wrap_step)
         p.wrap(proc.inputs_and_outputs, "prepare_batch_tensors", self._wrap_prepare)
+        # the KV-write hook, installed only on the forwards that check their writes (_arm_write_check)
+        self._unhooked: Callable[..., Any] = alloc.update
         p.wrap(alloc, "update", self._wrap_update)
+        self._hook, self._hooked = alloc.update, True
+        self._write_shapes: set[tuple[int, int]] = set()
         p.wrap(alloc, "free_blocks", self._lifecycle(self._on_free))
         p.wrap(alloc, "mark_complete_blocks", self._lifecycle(self._on_mark_complete))
         p.wrap(alloc, "copy_blocks", self._lifecycle(self._on_copy))
@@ -558,20 +564,12 @@ class _Session:
         if io.use_block_table:
             raise TransformersIntegrationError("the block-table (flash) decode path writes KV inside its kernel; "
                                                "kvcanary needs max_blocks_per_request=0")
-        cs = io.compute_stream
-        ctx: AbstractContextManager[Any] = nullcontext()
-        hand = None
-        if cs is not None:  # order the canary (and the forward) after prepare_batch_tensors' copies
-            hand = self._handoff
-            if hand is None or hand.stream is not cs:
-                hand = self._handoff = StreamHandoff(cs)
-            hand.enter()
-            ctx = torch.cuda.stream(cs)
-        with ctx:
+        hand = self._enter(io.compute_stream)
+        try:
             batch = self.adapter.batch_view(io, scheduled)
+            check = self._arm_write_check(batch)
             with self.canary.forward(batch):
                 self.canary.pre_forward()
-                self.in_forward, self.layer_writes, self.stray_writes = True, 0, 0
                 self.write_ptr = io.write_index_storage.data_ptr()  # its row 0's: no view made
                 t1 = time.perf_counter()
                 self.ran_hf = True
@@ -584,14 +582,27 @@ class _Session:
                     self.in_forward = False
                 t2 = time.perf_counter()
                 self.canary.post_forward()
-        if hand is not None:
-            hand.leave()
+        finally:
+            if hand is not None:
+                hand.leave()
         self.stats["forwards"] += 1
         self.stats["tokens"] += batch.num_tokens
         # host time of the bracket around transformers' step (the kernels are asynchronous on CUDA)
         self.stats["bracket_us"] += int(1e6 * (time.perf_counter() - t2 + t1 - t0))
-        self._check_writes()
+        if check:
+            self._check_writes((batch.batch_size, batch.num_tokens))
         return out
+
+    def _enter(self, stream: torch.cuda.Stream | None) -> StreamHandoff | None:
+        """The bracket (the canary and the forward) moved to transformers' compute ``stream`` (None: none, nothing to
+        do), ordered after prepare_batch_tensors' copies on the current stream; the handoff to leave it by."""
+        if stream is None:
+            return None
+        hand = self._handoff
+        if hand is None or hand.stream is not stream:
+            hand = self._handoff = StreamHandoff(stream)
+        hand.enter()
+        return hand
 
     def _wrap_update(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, read_index: torch.Tensor,
@@ -603,11 +614,28 @@ class _Session:
             return orig(key_states, value_states, layer_idx, read_index, write_index)
         return update
 
-    def _check_writes(self) -> None:
+    def _arm_write_check(self, batch: BatchView) -> bool:
+        """Whether this forward checks its KV writes (:meth:`_check_writes`): the first forward of a batch shape (rows,
+        tokens) and every ``WRITE_CHECK_INTERVAL``-th forward. The per-layer hook is installed for those forwards only:
+        in every layer's call it costs microseconds of host time."""
+        check = self.stats["forwards"] % WRITE_CHECK_INTERVAL == 0 or \
+            (batch.batch_size, batch.num_tokens) not in self._write_shapes
+        if check is not self._hooked:
+            self.adapter.alloc.update = self._hook if check else self._unhooked
+            self._hooked = check
+        self.in_forward, self.layer_writes, self.stray_writes = check, 0, 0
+        return check
+
+    def _check_writes(self, shape: tuple[int, int]) -> None:
         """Every layer must have written KV exactly through the batch's write slots. With CUDA graphs a replay runs
-        no Python (0 calls) and a capture runs the forward twice (eager warm-up, then capture)."""
+        no Python (0 calls) and a capture runs the forward twice (eager warm-up, then capture). A batch ``shape`` that
+        passed is checked again only every ``WRITE_CHECK_INTERVAL`` forwards."""
         layers, seen = self.adapter.num_layers, self.layer_writes
+        self.stats["write_checks"] += 1
         if self.stray_writes == 0 and (seen == layers or (self.graphs and seen in (0, 2 * layers))):
+            if len(self._write_shapes) >= MAX_WRITE_SHAPES:  # an engine of ever new shapes: forget the old ones
+                self._write_shapes.clear()
+            self._write_shapes.add(shape)
             return
         msg = (f"kvcanary: {self.layer_writes} KV writes ({self.stray_writes} through other slots than the batch's) "
                f"for {self.adapter.num_layers} layers: the KV was written outside the canary's view")
