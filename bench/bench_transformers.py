@@ -313,7 +313,10 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
 
     ``control``: one more model with no canary (:data:`CONTROL`), paired with the baseline like a variant: its pairs
     measure the setup's own offset between two identical models (its row: the median and interval; an interval
-    that excludes 0 says the variants' intervals are narrower than the setup's error)."""
+    that excludes 0 says the variants' intervals are narrower than the setup's error). Each variant's step also
+    pairs with the control's step of its round (``overhead_vs_control_pct``, its interval, ``met_vs_control``): two
+    models that are not the baseline, so an offset of the baseline's own (the control's median was +0.21 to +0.28 %
+    in the three calls of bench/results/host_session23-24) cancels; the row's ``met`` stays the baseline pairs'."""
     configs = configs_of(variants) + ([(CONTROL, None)] if control else [])
     paired = [n for n, _, _ in variants] + ([CONTROL] if control else [])
     models = {name: make_model() for name, _ in configs}
@@ -321,6 +324,7 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
     base_ms: list[float] = []  # each repeat's median baseline decode step (the spread of the host between repeats)
     pairs: dict[str, list[float]] = {n: [] for n in paired}  # per round: variant / baseline step - 1, %
     rep_pairs: dict[str, list[float]] = {n: [] for n in paired}  # each repeat's median pair
+    vs_control: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # per round: variant / control step - 1, %
     host_ms: dict[str, list[float]] = {n: [] for n, _, _ in variants}
     life_ms: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # the block lifecycle wrappers' host time
     attributed: dict[str, list[float]] = {n: [] for n, _, _ in variants}  # per decode step: canary / the rest, %
@@ -352,6 +356,8 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
             these = [100.0 * (v / b - 1.0) for v, b in zip(decode[name], decode["baseline"], strict=True)]
             pairs[name] += these
             rep_pairs[name].append(statistics.median(these))
+            if control and name != CONTROL:
+                vs_control[name] += [100.0 * (v / c - 1.0) for v, c in zip(decode[name], decode[CONTROL], strict=True)]
         for name, _, _ in variants:
             st, canary_us = handles[name].stats, decode_steps(rr.canary_us[name], new_tokens, skip)
             host_ms[name].append(1e-3 * st["bracket_us"] / st["forwards"])
@@ -362,6 +368,10 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
         lo, hi = _median_ci(sorted(pairs[name]))
         print(f"{name}: step pairs median {statistics.median(pairs[name]):+.2f} %, 95 % interval [{lo:+.2f}, "
               f"{hi:+.2f}] over {len(pairs[name])} pairs", file=sys.stderr, flush=True)
+        if vs_control.get(name):
+            lo, hi = _median_ci(sorted(vs_control[name]))
+            print(f"{name}: against the control, median {statistics.median(vs_control[name]):+.2f} %, 95 % interval "
+                  f"[{lo:+.2f}, {hi:+.2f}]", file=sys.stderr, flush=True)
     # a shorter run: the profiler's events of a whole run take longer to read than the run itself
     timeline = _timeline(models["baseline"], ps, skip + TIMELINE_STEPS + 1, skip, configs) if device == "cuda" else {}
     med = statistics.median
@@ -395,7 +405,8 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
                      "target_pct": target, "met_pairs": met_pairs, "met_attributed": met_att if host_bound else None,
                      "met": _combined(met_pairs, met_att if host_bound else None),
                      "bracket_host_ms": round(med(host_ms[name]), 3),
-                     "lifecycle_host_ms": round(med(life_ms[name]), 3), **gpu})
+                     "lifecycle_host_ms": round(med(life_ms[name]), 3), **_against_control(vs_control[name], target),
+                     **gpu})
     return {"rows": rows, "decode_steps_per_config": len(step_ms["baseline"]),
             "params": sum(p.numel() for p in models["baseline"].parameters())}
 
@@ -417,6 +428,16 @@ def _timeline(model: Any, ps: list[list[int]], new_tokens: int, skip: int,
                          "canary_gpu_us_per_step": round(med["canary_gpu_us"], 1),
                          "canary_kernels_per_step": med["canary_kernels"]}
     return out
+
+
+def _against_control(pairs: list[float], target: float) -> dict[str, Any]:
+    """A variant's steps paired with the control's (none without ``--control``): median, interval and verdict."""
+    if not pairs:
+        return {}
+    ps = sorted(pairs)
+    return {"overhead_vs_control_pct": round(statistics.median(ps), 2),
+            "overhead_vs_control_ci95_pct": [round(x, 2) for x in _median_ci(ps)],
+            "met_vs_control": _verdict(ps, target)}
 
 
 def _verdict(pairs: list[float], target: float) -> bool | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -881,7 +882,8 @@ def test_decode_steps_reuse_the_export(llama: Any, prompts: list[list[int]], mon
 def test_benchmark_attributes_the_canary_host_time_per_step() -> None:
     """bench_transformers on a tiny CPU model: every canary config's rows carry its per-step host time and the
     attributed overhead, from the handle's ``host_us`` (no profiled timeline on CPU: the verdict is the pairs'); the
-    control model's row carries its pairs with the baseline and nothing of a canary."""
+    control model's row carries its pairs with the baseline and nothing of a canary; each canary row also its pairs
+    with the control (5 pairs: too few for an interval, so no verdict)."""
     from bench.bench_transformers import CONTROL, LLAMA_TINY, VARIANTS, build_model, measure
     from bench.bench_transformers import prompts as bench_prompts
 
@@ -898,6 +900,8 @@ def test_benchmark_attributes_the_canary_host_time_per_step() -> None:
         assert r["attributed_upper_quartile_pct"] >= r["attributed_overhead_pct"] and r["target_pct"] == target
         assert r["attributed_mean_pct"] > 0, r
         assert r["met_attributed"] is None and r["met"] is r["met_pairs"] and "gpu_busy_pct" not in r
+        assert isinstance(r["overhead_vs_control_pct"], float) and r["met_vs_control"] is None
+        assert r["overhead_vs_control_ci95_pct"] == [-math.inf, math.inf], r
 
 
 def test_round_robin_runs_one_step_of_every_model_per_round() -> None:
