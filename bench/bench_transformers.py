@@ -139,10 +139,11 @@ class RoundRobin:
     time, so one core serves them all."""
 
     def __init__(self, device: str, models: dict[str, Any], canary: dict[str, Callable[[], int] | None],
-                 cpu: int | None = None) -> None:
+                 cpu: int | None = None, spin: dict[str, float] | None = None) -> None:
         from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
         self.cls, self.device, self.canary, self.cpu = ContinuousBatchingManager, device, canary, cpu
+        self.spin = spin or {}  # per model: seconds its every turn busy-waits inside the timed region (:func:`spin`)
         self.orig = ContinuousBatchingManager._generation_loop_body
         self.name_of = {id(m): n for n, m in models.items()}
         self.steps: dict[str, list[float]] = {n: [] for n in models}
@@ -185,7 +186,7 @@ class RoundRobin:
         out = False
         try:
             out = _timed_turn(self.orig, mgr, batch_processor, bootstrapping, self.device, self.canary[name],
-                              self.steps[name], self.canary_us[name])
+                              self.steps[name], self.canary_us[name], spin_s=self.spin.get(name, 0.0))
             return out
         finally:
             with self.cv:
@@ -205,15 +206,18 @@ class RoundRobin:
 
 def _timed_turn(orig: Callable[..., bool], mgr: Any, batch_processor: Any, bootstrapping: bool, device: str,
                 canary: Callable[[], int] | None, steps: list[float], canary_us: list[float],
-                mark: Callable[[], None] | None = None) -> bool:
+                mark: Callable[[], None] | None = None, spin_s: float = 0.0) -> bool:
     """One loop turn of transformers' generation loop, synchronized before and after; a turn that ran a batch appends
     its wall time to ``steps`` and kvcanary's host µs in it (``canary`` reads the cumulative count) to ``canary_us``.
-    ``mark`` runs just outside the timed region on both sides."""
+    ``mark`` runs just outside the timed region on both sides; ``spin_s``: seconds of :func:`spin` inside it, before
+    the turn."""
     _sync(device)
     if mark is not None:
         mark()
     c0 = canary() if canary is not None else 0
     before, t = mgr.current_batch, time.perf_counter()
+    if spin_s:
+        spin(spin_s)
     out = orig(mgr, batch_processor, bootstrapping)
     _sync(device)
     dt = time.perf_counter() - t
@@ -223,6 +227,13 @@ def _timed_turn(orig: Callable[..., bool], mgr: Any, batch_processor: Any, boots
         steps.append(dt)
         canary_us.append(float(canary() - c0) if canary is not None else 0.0)
     return out
+
+
+def spin(seconds: float) -> None:
+    """Busy-wait ``seconds`` on the host: CPU time that touches almost no memory (the calibration's added work)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def _sync(device: str) -> None:
@@ -294,7 +305,7 @@ def decode_steps(per_step: list[T], new_tokens: int, skip: int) -> list[T]:
 
 def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int, repeats: int, device: str,
             variants: list[tuple[str, dict[str, Any], float]], skip: int = 0,
-            loop_cpu: int | None = None, control: bool = False) -> dict[str, Any]:
+            loop_cpu: int | None = None, control: bool = False, spin_us: float = 0.0) -> dict[str, Any]:
     """Repeats of the baseline and every variant run side by side: one model each (``make_model``, identical
     weights), their generation loops taking turns step by step (:class:`RoundRobin`), so the host's drift is common to
     a round. Each decode step of a variant pairs with the baseline's step of the same round; the overhead is the
@@ -316,9 +327,16 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
     that excludes 0 says the variants' intervals are narrower than the setup's error). Each variant's step also
     pairs with the control's step of its round (``overhead_vs_control_pct``, its interval, ``met_vs_control``): two
     models that are not the baseline, so an offset of the baseline's own (the control's median was +0.21 to +0.28 %
-    in the three calls of bench/results/host_session23-24) cancels; the row's ``met`` stays the baseline pairs'."""
-    configs = configs_of(variants) + ([(CONTROL, None)] if control else [])
-    paired = [n for n, _, _ in variants] + ([CONTROL] if control else [])
+    in the three calls of bench/results/host_session23-24) cancels; the row's ``met`` stays the baseline pairs'.
+
+    ``spin_us``: one more model with no canary whose every step also busy-waits ``spin_us`` on the host (:func:`spin`),
+    paired with the baseline like a variant: the pairs' calibration. Its row puts the pairs' median next to what the
+    spin alone adds (``expected_pct``, the median of spin / (step - spin)); pairs above that say the setup adds to a
+    model's host work, pairs near it that a variant's excess over its attributed bound is its own."""
+    spun = f"host spin {spin_us:g} us (no canary)" if spin_us > 0 else ""
+    extra = ([CONTROL] if control else []) + ([spun] if spun else [])
+    configs = configs_of(variants) + [(n, None) for n in extra]
+    paired = [n for n, _, _ in variants] + extra
     models = {name: make_model() for name, _ in configs}
     step_ms: dict[str, list[float]] = {n: [] for n in models}
     base_ms: list[float] = []  # each repeat's median baseline decode step (the spread of the host between repeats)
@@ -334,7 +352,8 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
         with contextlib.ExitStack() as stack:
             handles = {name: stack.enter_context(installed(models[name], kwargs)) for name, kwargs in configs}
             rr = RoundRobin(device, models, {n: None if h is None else (lambda h=h: h.host_us)
-                                             for n, h in handles.items()}, loop_cpu)
+                                             for n, h in handles.items()}, loop_cpu,
+                            {spun: 1e-6 * spin_us} if spun else {})
             outs = rr.run(models, ps, new_tokens)
         decode = {n: decode_steps(rr.steps[n], new_tokens, skip) for n in models}
         medians = {n: 1e3 * statistics.median(d) for n, d in decode.items()}
@@ -356,7 +375,7 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
             these = [100.0 * (v / b - 1.0) for v, b in zip(decode[name], decode["baseline"], strict=True)]
             pairs[name] += these
             rep_pairs[name].append(statistics.median(these))
-            if control and name != CONTROL:
+            if control and name in vs_control:
                 vs_control[name] += [100.0 * (v / c - 1.0) for v, c in zip(decode[name], decode[CONTROL], strict=True)]
         for name, _, _ in variants:
             st, canary_us = handles[name].stats, decode_steps(rr.canary_us[name], new_tokens, skip)
@@ -379,11 +398,11 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
     rows: list[dict[str, Any]] = [{"config": "baseline", "decode_step_ms": round(med(step_ms["baseline"]), 3),
                                    "repeat_spread_pct": round(spread, 2), **timeline.get("baseline", {})}]
     if control:
-        ps_sorted = sorted(pairs[CONTROL])
-        rows.append({"config": CONTROL, "decode_step_ms": round(med(step_ms[CONTROL]), 3),
-                     "overhead_pct": round(med(ps_sorted), 2),
-                     "overhead_ci95_pct": [round(x, 2) for x in _median_ci(ps_sorted)], "step_pairs": len(ps_sorted),
+        rows.append({**_plain_row(CONTROL, step_ms[CONTROL], pairs[CONTROL]),
                      "repeat_overheads_pct": [round(p, 2) for p in rep_pairs[CONTROL]]})
+    if spun:
+        rows.append({**_plain_row(spun, step_ms[spun], pairs[spun]),
+                     "expected_pct": round(med(100.0 * spin_us / (1e3 * x - spin_us) for x in step_ms[spun]), 3)})
     for name, _, target in variants:
         ps_sorted, att = sorted(pairs[name]), sorted(attributed[name])
         gpu = timeline.get(name, {})
@@ -428,6 +447,14 @@ def _timeline(model: Any, ps: list[list[int]], new_tokens: int, skip: int,
                          "canary_gpu_us_per_step": round(med["canary_gpu_us"], 1),
                          "canary_kernels_per_step": med["canary_kernels"]}
     return out
+
+
+def _plain_row(name: str, step_ms: list[float], pairs: list[float]) -> dict[str, Any]:
+    """The row of a model with no canary paired with the baseline (the control, the spin): step time and pairs."""
+    ps = sorted(pairs)
+    return {"config": name, "decode_step_ms": round(statistics.median(step_ms), 3),
+            "overhead_pct": round(statistics.median(ps), 2),
+            "overhead_ci95_pct": [round(x, 2) for x in _median_ci(ps)], "step_pairs": len(ps)}
 
 
 def _against_control(pairs: list[float], target: float) -> dict[str, Any]:
@@ -490,6 +517,8 @@ def main() -> None:
                     help="the core all generation loops are pinned to (default: this process's last; -1: not pinned)")
     ap.add_argument("--control", action="store_true",
                     help="also a second model with no canary, paired with the baseline: the setup's own offset")
+    ap.add_argument("--spin-us", type=float, default=0.0,
+                    help="also a model with no canary whose steps busy-wait this long: the pairs' calibration")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if not 0 <= a.skip_decode < a.new_tokens - 1:
@@ -498,7 +527,7 @@ def main() -> None:
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     res = measure(lambda: build_model(cfg, a.device, dtype), prompts(a.batch, a.prompt, cfg["vocab_size"]),
                   a.new_tokens, a.repeats, a.device, VARIANTS + (PARTS if a.parts else []), a.skip_decode,
-                  None if a.loop_cpu < 0 else a.loop_cpu, a.control)
+                  None if a.loop_cpu < 0 else a.loop_cpu, a.control, a.spin_us)
     for r in res["rows"]:
         print(json.dumps(r))
     out = {"machine": platform.node(), "torch": torch.__version__,
@@ -506,6 +535,7 @@ def main() -> None:
            "command": f"python -m bench.bench_transformers --device {a.device} --model {a.model} --batch {a.batch} "
                       f"--prompt {a.prompt} --new-tokens {a.new_tokens} --repeats {a.repeats}"
                       + (" --parts" if a.parts else "") + (" --control" if a.control else "")
+                      + (f" --spin-us {a.spin_us:g}" if a.spin_us > 0 else "")
                       + (f" --skip-decode {a.skip_decode}" if a.skip_decode else "")
                       + f" --loop-cpu {a.loop_cpu}",
            "model": cfg, "dtype": str(dtype),

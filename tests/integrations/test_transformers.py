@@ -904,6 +904,22 @@ def test_benchmark_attributes_the_canary_host_time_per_step() -> None:
         assert r["overhead_vs_control_ci95_pct"] == [-math.inf, math.inf], r
 
 
+def test_benchmark_spin_calibrates_the_pairs() -> None:
+    """bench_transformers' spin model: every step of it busy-waits 20 ms inside the timed region, so each of its steps
+    is at least that much longer than its work, its pairs are positive, and its row names what the spin alone adds."""
+    from bench.bench_transformers import LLAMA_TINY, build_model, measure
+    from bench.bench_transformers import prompts as bench_prompts
+
+    res = measure(lambda: build_model(LLAMA_TINY, "cpu", torch.float32), bench_prompts(4, 24, LLAMA_TINY["vocab_size"]),
+                  6, 1, "cpu", [], spin_us=20_000)
+    rows = {r["config"]: r for r in res["rows"]}
+    spun = rows["host spin 20000 us (no canary)"]
+    assert set(rows) == {"baseline", spun["config"]} and spun["step_pairs"] == 5, rows
+    assert spun["decode_step_ms"] >= 20.0 + rows["baseline"]["decode_step_ms"] / 2, rows
+    expected = 100.0 * 20.0 / (spun["decode_step_ms"] - 20.0)
+    assert spun["overhead_pct"] > 0 and spun["expected_pct"] == pytest.approx(expected, rel=0.5), spun
+
+
 def test_round_robin_runs_one_step_of_every_model_per_round() -> None:
     """bench_transformers' RoundRobin: three models' loops take turns, pinned to one core; while all three run, every
     window of three consecutive turns holds each model once and each round starts with another model (the order
