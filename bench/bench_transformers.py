@@ -517,6 +517,8 @@ def main() -> None:
                     help="the core all generation loops are pinned to (default: this process's last; -1: not pinned)")
     ap.add_argument("--control", action="store_true",
                     help="also a second model with no canary, paired with the baseline: the setup's own offset")
+    ap.add_argument("--only", default="",
+                    help="comma-separated name prefixes: run only the variants whose names start with one of them")
     ap.add_argument("--spin-us", type=float, default=0.0,
                     help="also a model with no canary whose steps busy-wait this long: the pairs' calibration")
     ap.add_argument("--out", default="")
@@ -525,8 +527,14 @@ def main() -> None:
         ap.error(f"--skip-decode must be in [0, {a.new_tokens - 1}) for {a.new_tokens} new tokens")
     cfg = LLAMA_1B if a.model == "1b" else LLAMA_TINY
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    variants = VARIANTS + (PARTS if a.parts else [])
+    if a.only:
+        prefixes = tuple(a.only.split(","))
+        variants = [v for v in variants if v[0].startswith(prefixes)]
+        if not variants:
+            ap.error(f"--only {a.only!r} names no variant of {[v[0] for v in VARIANTS + PARTS]}")
     res = measure(lambda: build_model(cfg, a.device, dtype), prompts(a.batch, a.prompt, cfg["vocab_size"]),
-                  a.new_tokens, a.repeats, a.device, VARIANTS + (PARTS if a.parts else []), a.skip_decode,
+                  a.new_tokens, a.repeats, a.device, variants, a.skip_decode,
                   None if a.loop_cpu < 0 else a.loop_cpu, a.control, a.spin_us)
     for r in res["rows"]:
         print(json.dumps(r))
@@ -536,6 +544,7 @@ def main() -> None:
                       f"--prompt {a.prompt} --new-tokens {a.new_tokens} --repeats {a.repeats}"
                       + (" --parts" if a.parts else "") + (" --control" if a.control else "")
                       + (f" --spin-us {a.spin_us:g}" if a.spin_us > 0 else "")
+                      + (f" --only {a.only!r}" if a.only else "")
                       + (f" --skip-decode {a.skip_decode}" if a.skip_decode else "")
                       + f" --loop-cpu {a.loop_cpu}",
            "model": cfg, "dtype": str(dtype),
