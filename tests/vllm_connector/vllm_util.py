@@ -32,7 +32,7 @@ def make_llm(model: str, extra: dict[str, Any] | None = None, *, connector: bool
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    args: dict[str, Any] = dict(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
+    args: dict[str, Any] = dict(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=512,
                                 enable_prefix_caching=True, block_size=BLOCK, enforce_eager=True,
                                 gpu_memory_utilization=0.3, num_gpu_blocks_override=blocks,
                                 max_num_batched_tokens=max_tokens, enable_chunked_prefill=True, max_num_seqs=8)

@@ -468,12 +468,17 @@ class _WorkerSide:
         heads, head = int(self.spec.num_kv_heads), int(self.spec.head_size)
         first = kv_caches[self.layers[0]]
         backend = layers[self.layers[0]].get_attn_backend().get_name()
-        runs = probe_layout(backend, first, bs, heads, head, self._isa(first.dtype, bs, head))
+        isa = self._isa(first.dtype, bs, head)
+        runs = probe_layout(backend, first, bs, heads, head, isa)
         readable = [h for h, r in enumerate(runs) if r is not None]
         if not readable:
+            # CPU_ATTN's amx kernels (bf16, block size a multiple of 32, an AMX CPU) pack K and V by pairs of tokens
+            hint = " or a block size that is not a multiple of 32 (its kernels then keep V token-major)" \
+                if isa == "amx" else ""
             raise VLLMIntegrationError(f"fingerprint={self.cfg.canary.fingerprint.name.lower()}: attention backend "
-                                       f"{backend} stores neither K nor V with a token's bytes contiguous; kvcanary "
-                                       "cannot fingerprint this layout: use fingerprint=none")
+                                       f"{backend} (isa {isa!r}) stores neither K nor V with a token's bytes "
+                                       f"contiguous; kvcanary cannot fingerprint this layout: use fingerprint=none"
+                                       f"{hint}")
         if len(readable) == 1:
             logger.warning("kvcanary: %s stores %s so that a token's bytes are not contiguous: fingerprints cover %s "
                            "only", backend, "KV"[1 - readable[0]], "KV"[readable[0]])
