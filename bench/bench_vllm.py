@@ -24,6 +24,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 REPEATS = 2
+# float32: with bf16, an AMX CPU runs CPU_ATTN kernels whose KV layout no fingerprint can read (docs/vllm.md)
+DTYPE = "float32"
 OUT = Path(__file__).resolve().parent / "results"
 CONNECTOR = {"kv_connector": "KVCanaryConnector", "kv_connector_module_path": "kvcanary.integrations.vllm",
              "kv_role": "kv_both"}
@@ -61,7 +63,7 @@ def run(path: str, extra: dict[str, Any] | None, reqs: list[tuple[list[int], int
     kw: dict[str, Any] = {}
     if extra is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**CONNECTOR, kv_connector_extra_config=extra)
-    llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024, block_size=32,
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype=DTYPE, max_model_len=1024, block_size=32,
               enable_prefix_caching=True, enforce_eager=True, gpu_memory_utilization=0.3, num_gpu_blocks_override=1024,
               max_num_batched_tokens=512, max_num_seqs=32, **kw)
     try:
@@ -100,7 +102,7 @@ def main() -> None:
     sizes = {"decode": 16 if args.quick else 32, "prefill": 12 if args.quick else 24}
     results: dict[str, Any] = {"vllm": vllm.__version__, "torch": torch.__version__, "machine": platform.processor()
                                or platform.machine(), "cpus": os.cpu_count(), "model": "Llama 4 layers, hidden 512, "
-                               "8 heads / 4 KV heads (head 64), bf16, block 32", "workloads": {}}
+                               f"8 heads / 4 KV heads (head 64), {DTYPE}, block 32", "workloads": {}}
     for kind, n in sizes.items():
         reqs = workload(kind, n)
         # the machine is shared: configurations alternate, each runs REPEATS times, the fastest run of each is kept

@@ -31,7 +31,8 @@ def main() -> None:
     from vllm.config import KVTransferConfig
 
     model = sys.argv[1] if len(sys.argv) > 1 else tiny_model()
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512, block_size=32,
+    # float32: with bf16, an AMX CPU runs CPU_ATTN kernels whose KV layout no fingerprint can read (docs/vllm.md)
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=512, block_size=32,
               enable_prefix_caching=True, enforce_eager=True, gpu_memory_utilization=0.3,
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KVCanaryConnector", kv_connector_module_path="kvcanary.integrations.vllm",

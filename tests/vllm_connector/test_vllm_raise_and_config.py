@@ -111,9 +111,9 @@ def test_unreadable_layouts_are_clear_errors() -> None:
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="needs an AMX CPU: only there does vLLM's "
                     "CPU_ATTN pick its amx kernels")
 def test_amx_layout_fingerprints_fail_clearly_and_fingerprint_none_runs(model: str) -> None:
-    """bf16 at a block size of 32 on an AMX CPU: CPU_ATTN's amx kernels pack K and V by pairs of tokens, so no half
-    is token-major. A fingerprint mode fails at engine start, naming the isa and the ways out; fingerprint=none runs
-    clean. (The other tests run float32, whose kernels keep V token-major on any x86 CPU.)"""
+    """bf16 on an AMX CPU: CPU_ATTN's amx kernels pack K and V by pairs of tokens, so no half is token-major. A
+    fingerprint mode fails at engine start, naming the isa and the ways out; fingerprint=none runs clean. (The other
+    tests run float32, whose kernels keep V token-major on any x86 CPU.)"""
     from kvcanary.integrations.vllm import probe_layout
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
@@ -121,7 +121,7 @@ def test_amx_layout_fingerprints_fail_clearly_and_fingerprint_none_runs(model: s
 
     assert probe_layout("CPU_ATTN", torch.zeros(1, 2, BLOCK, 64, dtype=torch.bfloat16), BLOCK, 2, 32,
                         "amx") == (None, None)
-    with pytest.raises(Exception, match="isa 'amx'.*not a multiple of 32"):
+    with pytest.raises(Exception, match="isa 'amx'.*fingerprint=none, or dtype float32"):
         make_llm(model, {"fingerprint": "partial"}, dtype="bfloat16")
     ensure_kv_transfer_shutdown()  # the failed start's connector
     llm = make_llm(model, {"fingerprint": "none"}, dtype="bfloat16")

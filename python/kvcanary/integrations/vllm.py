@@ -472,9 +472,9 @@ class _WorkerSide:
         runs = probe_layout(backend, first, bs, heads, head, isa)
         readable = [h for h, r in enumerate(runs) if r is not None]
         if not readable:
-            # CPU_ATTN's amx kernels (bf16, block size a multiple of 32, an AMX CPU) pack K and V by pairs of tokens
-            hint = " or a block size that is not a multiple of 32 (its kernels then keep V token-major)" \
-                if isa == "amx" else ""
+            # CPU_ATTN's amx kernels (bf16 on an AMX CPU; its block sizes are multiples of 32) pack K and V by pairs
+            # of tokens; its float32 kernels keep V token-major
+            hint = ", or dtype float32" if isa == "amx" else ""
             raise VLLMIntegrationError(f"fingerprint={self.cfg.canary.fingerprint.name.lower()}: attention backend "
                                        f"{backend} (isa {isa!r}) stores neither K nor V with a token's bytes "
                                        f"contiguous; kvcanary cannot fingerprint this layout: use fingerprint=none"
