@@ -326,8 +326,8 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
     measure the setup's own offset between two identical models (its row: the median and interval; an interval
     that excludes 0 says the variants' intervals are narrower than the setup's error). Each variant's step also
     pairs with the control's step of its round (``overhead_vs_control_pct``, its interval, ``met_vs_control``): two
-    models that are not the baseline, so an offset of the baseline's own (the control's median was +0.21 to +0.28 %
-    in the three calls of bench/results/host_session23-24) cancels; the row's ``met`` stays the baseline pairs'.
+    models that are not the baseline, so an offset of the baseline's own (the control's median was +0.21 to +0.32 %
+    in the four H200 calls of bench/results/host_session23-24) cancels; the row's ``met`` stays the baseline pairs'.
 
     ``spin_us``: one more model with no canary whose every step also busy-waits ``spin_us`` on the host (:func:`spin`),
     paired with the baseline like a variant: the pairs' calibration. Its row puts the pairs' median next to what the
@@ -398,10 +398,10 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
     rows: list[dict[str, Any]] = [{"config": "baseline", "decode_step_ms": round(med(step_ms["baseline"]), 3),
                                    "repeat_spread_pct": round(spread, 2), **timeline.get("baseline", {})}]
     if control:
-        rows.append({**_plain_row(CONTROL, step_ms[CONTROL], pairs[CONTROL]),
+        rows.append({**_paired_row(CONTROL, step_ms[CONTROL], pairs[CONTROL]),
                      "repeat_overheads_pct": [round(p, 2) for p in rep_pairs[CONTROL]]})
     if spun:
-        rows.append({**_plain_row(spun, step_ms[spun], pairs[spun]),
+        rows.append({**_paired_row(spun, step_ms[spun], pairs[spun]),
                      "expected_pct": round(med(100.0 * spin_us / (1e3 * x - spin_us) for x in step_ms[spun]), 3)})
     for name, _, target in variants:
         ps_sorted, att = sorted(pairs[name]), sorted(attributed[name])
@@ -410,10 +410,8 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
         # of its cost (its kernels fit in the idle time; what it costs transformers' own code is not in it)
         host_bound = gpu.get("gpu_busy_pct", 100.0) <= HOST_BOUND_BUSY_PCT
         met_pairs, met_att = _verdict(ps_sorted, target), _quartiles(att)[1] <= target
-        rows.append({"config": name, "decode_step_ms": round(med(step_ms[name]), 3),
-                     "overhead_pct": round(med(ps_sorted), 2),
-                     "overhead_ci95_pct": [round(x, 2) for x in _median_ci(ps_sorted)],
-                     "step_pairs": len(ps_sorted), "repeat_overheads_pct": [round(p, 2) for p in rep_pairs[name]],
+        rows.append({**_paired_row(name, step_ms[name], pairs[name]),
+                     "repeat_overheads_pct": [round(p, 2) for p in rep_pairs[name]],
                      "attributed_overhead_pct": round(med(att), 3),
                      "attributed_upper_quartile_pct": round(_quartiles(att)[1], 3),
                      # the amortized share: periodic work (a rolling-sweep slice every few steps, a report window
@@ -449,22 +447,23 @@ def _timeline(model: Any, ps: list[list[int]], new_tokens: int, skip: int,
     return out
 
 
-def _plain_row(name: str, step_ms: list[float], pairs: list[float]) -> dict[str, Any]:
-    """The row of a model with no canary paired with the baseline (the control, the spin): step time and pairs."""
+def _pair_summary(pairs: list[float], key: str) -> dict[str, Any]:
+    """``{key}_pct``: the median of the step ``pairs``, ``{key}_ci95_pct``: its 95 % interval."""
     ps = sorted(pairs)
+    return {f"{key}_pct": round(statistics.median(ps), 2), f"{key}_ci95_pct": [round(x, 2) for x in _median_ci(ps)]}
+
+
+def _paired_row(name: str, step_ms: list[float], pairs: list[float]) -> dict[str, Any]:
+    """The start of a config's row: its decode step time and its steps paired with the baseline's."""
     return {"config": name, "decode_step_ms": round(statistics.median(step_ms), 3),
-            "overhead_pct": round(statistics.median(ps), 2),
-            "overhead_ci95_pct": [round(x, 2) for x in _median_ci(ps)], "step_pairs": len(ps)}
+            **_pair_summary(pairs, "overhead"), "step_pairs": len(pairs)}
 
 
 def _against_control(pairs: list[float], target: float) -> dict[str, Any]:
     """A variant's steps paired with the control's (none without ``--control``): median, interval and verdict."""
     if not pairs:
         return {}
-    ps = sorted(pairs)
-    return {"overhead_vs_control_pct": round(statistics.median(ps), 2),
-            "overhead_vs_control_ci95_pct": [round(x, 2) for x in _median_ci(ps)],
-            "met_vs_control": _verdict(ps, target)}
+    return {**_pair_summary(pairs, "overhead_vs_control"), "met_vs_control": _verdict(sorted(pairs), target)}
 
 
 def _verdict(pairs: list[float], target: float) -> bool | None:

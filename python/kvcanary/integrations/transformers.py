@@ -570,7 +570,8 @@ class _Session:
             check = self._arm_write_check(batch)
             with self.canary.forward(batch):
                 self.canary.pre_forward()
-                self.write_ptr = io.write_index_storage.data_ptr()  # its row 0's: no view made
+                if check:
+                    self.write_ptr = io.write_index_storage.data_ptr()  # its row 0's: no view made
                 t1 = time.perf_counter()
                 self.ran_hf = True
                 try:
