@@ -16,6 +16,7 @@ import kvcanary.adapter as ad
 import kvcanary.hostcopy as hc
 import kvcanary.integrations.transformers as kt
 import kvcanary.manager as mg
+import kvcanary.ops.slot_rows as sr
 import kvcanary.program as pg
 import kvcanary.sweep as sw
 import kvcanary.upload as up
@@ -61,7 +62,7 @@ for owner, name in ((kt.HFPoolAdapter, "batch_view"), (mg.CanaryManager, "begin_
 if os.environ.get("DEEP") == "1":  # inside the slice (export build, derive, launches) and the batch view
     for owner, name in ((kt.HFPoolAdapter, "forget_hashes"), (kt, "export_of_blocks"), (hc, "packed"),
                         (sw, "derive_roll"), (sw, "bind_plan_roll"), (sw.Sweeper, "_verify"),
-                        (ad.PrefixCacheExport, "validate"), (hc.StagedRows, "put"), (kt._Batch, "new_tokens"),
+                        (ad.PrefixCacheExport, "validate"), (sr.SlotRowStager, "__call__"), (kt._Batch, "new_tokens"),
                         (kt, "BatchView"), (up.Upload, "steady"), (ad.BatchView, "check_table"),
                         (pg.EagerGraphs, "__call__"), (torch.cuda.CUDAGraph, "replay"),
                         (mg.CanaryManager, "_expect_sweep"), (kt._Session, "_check_writes")):

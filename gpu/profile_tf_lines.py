@@ -6,9 +6,9 @@ stream handoff. Needs line_profiler (carry its wheel). Usage: python3 gpu/profil
 import runpy
 import sys
 
-import kvcanary.hostcopy as hc
 import kvcanary.integrations.transformers as kt
 import kvcanary.manager as mg
+import kvcanary.ops.slot_rows as sr
 import kvcanary.program as pg
 import kvcanary.streams as st
 import kvcanary.upload as up
@@ -19,7 +19,7 @@ for owner, names in ((mg.CanaryManager, ("begin_forward", "_begin_steady", "_beg
                                          "pre_forward", "post_forward", "end_forward", "_roll")),
                      (up.Upload, ("steady", "_decode", "_held", "_staged", "begin")),
                      (kt.HFPoolAdapter, ("batch_view", "_views", "_read_slots")), (kt._Session, ("_bracket",)),
-                     (kt._Batch, ("new_tokens",)), (hc.StagedRows, ("put",)), (pg.DeviceProgram, ("launch",)),
+                     (kt._Batch, ("new_tokens",)), (sr.SlotRowStager, ("__call__",)), (pg.DeviceProgram, ("launch",)),
                      (pg.EagerGraphs, ("__call__",)), (st.StreamHandoff, ("enter", "leave"))):
     for name in names:
         setattr(owner, name, prof(getattr(owner, name)))

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.
 
 OPS = ("plan_forward", "plan_sweep", "plan_roll", "verify", "write", "fingerprint", "scatter_tokens", "stage_batch",
        "begin_decode", "make_sequence", "bookkeep", "invalidate", "derive_roll", "slot_rows",
-       "stage_window")
+       "stage_slot_rows", "stage_window")
 
 
 def test_cuda_module_compiles_and_exports_every_op(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""hostcopy: host arrays packed into one copy, staged rows, and a paged prefix cache's export (hand vectors, and on
+"""hostcopy: host arrays packed into one copy and a paged prefix cache's export (hand vectors, and on
 random blocks against the slots built on the host)."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcanary.errors import CanaryInputError
-from kvcanary.hostcopy import StagedRows, export_of_blocks, packed
+from kvcanary.hostcopy import export_of_blocks, packed
 from kvcanary_schema import NO_SLOT
 
 
@@ -52,23 +51,3 @@ def test_export_slots_are_each_blocks_page(blocks: list[int], page: int) -> None
     e.validate(torch.device("cpu"))
     assert e.slots.tolist() == [s for x in blocks for s in range(x * page, (x + 1) * page)]
     assert e.starts.tolist() == list(range(0, n * page, page)) and e.lens.tolist() == [page] * n
-
-
-def staged_rows_round_trip(device: torch.device) -> None:
-    """Each put's views hold its values; a later, narrower put overwrites the front and leaves the views' length."""
-    rows = StagedRows(3, 8, device)
-    a = rows.put(([1, 2, 3], [4, 5, 6], [7, 8, 9]), 3)
-    assert [v.tolist() for v in a] == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
-    assert all(v.is_contiguous() and v.dtype == torch.int64 and v.device.type == device.type for v in a)
-    b = rows.put(np.array([[-1], [-2], [-3]]), 1)
-    assert [v.tolist() for v in b] == [[-1], [-2], [-3]]
-    assert [h.tolist() for h in rows.host_rows(1)] == [[-1], [-2], [-3]]
-    assert all(h.flags.c_contiguous and h.dtype == np.int64 for h in rows.host_rows(3))
-    assert rows.put(([5, 6, 7], [0, 0, 0], [1, 1, 1]), 3)[0].tolist() == [5, 6, 7]
-    assert [v.numel() for v in rows.put(((), (), ()), 0)] == [0, 0, 0]
-    with pytest.raises(CanaryInputError, match="at most 8"):
-        rows.put(([0] * 9, [0] * 9, [0] * 9), 9)
-
-
-def test_staged_rows_round_trip() -> None:
-    staged_rows_round_trip(torch.device("cpu"))

@@ -12,8 +12,6 @@ import torch
 from kvcanary_schema import NO_SLOT
 
 from kvcanary.adapter import PrefixCacheExport
-from kvcanary.errors import CanaryInputError
-from kvcanary.streams import CurrentStream
 
 
 @overload
@@ -59,47 +57,3 @@ def export_of_blocks(blocks: np.ndarray, first_positions: np.ndarray, parents: n
 def _page_offsets(page: int, device: torch.device) -> torch.Tensor:
     """0 .. page-1 on ``device`` (int64), made once."""
     return torch.arange(page, dtype=torch.int64, device=device)
-
-
-class StagedRows:
-    """Up to ``width`` int64 values in each of ``rows`` rows, written on the host and copied to the device in one copy
-    per call, through one persistent host buffer (pinned for CUDA) into one persistent device buffer (on the CPU they
-    are one buffer). For facts a caller stages every forward: no allocation, no stream sync, and each width's device
-    row views made once. The device rows are overwritten by the next :meth:`put`: work that reads them must be queued
-    on the current stream before it (stream order protects it)."""
-
-    def __init__(self, rows: int, width: int, device: torch.device) -> None:
-        self.width = width
-        self._dev = torch.zeros((rows, width), dtype=torch.int64, device=device)
-        cuda = device.type == "cuda"
-        self._host = torch.zeros((rows, width), dtype=torch.int64, pin_memory=True) if cuda else self._dev
-        self._np = self._host.numpy()
-        # CUDA: the last copy out of the host buffer (the next put overwrites the buffer once it has run)
-        self._copied = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
-        self._stream = CurrentStream(self._dev.device.index or 0) if cuda else None
-        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._host_views: dict[int, tuple[np.ndarray, ...]] = {}
-
-    def put(self, values: Sequence[Sequence[int]] | np.ndarray, n: int) -> tuple[torch.Tensor, ...]:
-        """``values`` (``rows`` rows of ``n`` <= ``width`` values each) on the device: one contiguous int64 view of
-        ``n`` values per row."""
-        if not 0 <= n <= self.width:
-            raise CanaryInputError(f"{n} values per row, staged rows hold at most {self.width}")
-        if self._copied is not None:
-            self._copied.synchronize()
-        self._np[:, :n] = values
-        if self._copied is not None and self._stream is not None:
-            self._dev.copy_(self._host, non_blocking=True)  # queued on the device buffer's device's current stream
-            self._copied.record(self._stream.get())
-        v = self._views.get(n)
-        if v is None:
-            v = self._views[n] = self._dev[:, :n].unbind()
-        return v
-
-    def host_rows(self, n: int) -> tuple[np.ndarray, ...]:
-        """The host buffer's rows as the last :meth:`put` of ``n`` values left them (contiguous int64 views, valid
-        until the next put): the same facts without converting them again."""
-        h = self._host_views.get(n)
-        if h is None:
-            h = self._host_views[n] = tuple(self._np[:, :n])
-        return h

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import random
 
+import numpy as np
 import torch
 from kvcanary.demo import clean_run
 from kvcanary.ops.bookkeep import bind_bookkeep
@@ -14,7 +15,7 @@ from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.invalidate import invalidate
 from kvcanary.ops.plan import derive_roll, plan_forward, plan_roll
 from kvcanary.ops.scatter_tokens import scatter_tokens
-from kvcanary.ops.slot_rows import slot_rows
+from kvcanary.ops.slot_rows import slot_rows, stage_slot_rows
 from kvcanary.ops.stage_batch import stage_batch
 from kvcanary.ops.stage_window import stage_window
 from kvcanary.ops.types import Sink, TokenPool
@@ -129,6 +130,14 @@ def main() -> None:
                   *(torch.randint(lo, hi, (bs,), device=dev) for lo, hi in ((-3, 9), (-5, m + 5), (-5, 80))),
                   torch.randint(-9, 1 << 40, (m,), device=dev), torch.zeros(40, dtype=torch.int64, device=dev),
                   torch.randint(-9, 1 << 40, (40,), device=dev), rng.randint(1, 9), 1, backend=dev)
+        # the same with its row facts staged from the host (12a): rows outside the table, negative lengths, src short
+        facts_in = np.array([[rng.randint(-3, 9) for _ in range(bs)], [rng.randint(-5, 40) for _ in range(bs)],
+                             [rng.randint(-5, 40) for _ in range(bs)]], dtype=np.int64).reshape(3, bs)
+        staging = pin(torch.zeros(5, bs + rng.randint(0, 3), dtype=torch.int64))
+        stage_slot_rows(torch.zeros(rng.randint(1, 6), width, dtype=rng.choice([torch.int32, torch.int64]), device=dev),
+                        facts_in, staging, torch.zeros(staging.shape, dtype=torch.int64, device=dev),
+                        torch.randint(-9, 1 << 40, (m,), device=dev), torch.zeros(40, dtype=torch.int64, device=dev),
+                        torch.randint(-9, 1 << 40, (40,), device=dev), rng.randint(1, 9), 1, backend=dev)
         # window staging: counts below 0 and past the ring, the count and reset inside the head
         cap, cols = rng.randint(0, 40), rng.randint(1, 8)
         arena = torch.randint(-9, 9, (6 + cap * cols,), device=dev)

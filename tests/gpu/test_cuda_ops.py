@@ -16,7 +16,7 @@ from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.invalidate import bind_invalidate, invalidate
 from kvcanary.ops.plan import derive_roll, plan_forward, plan_roll, plan_sweep
 from kvcanary.ops.scatter_tokens import scatter_tokens
-from kvcanary.ops.slot_rows import slot_rows
+from kvcanary.ops.slot_rows import SlotRowStager, slot_rows, stage_slot_rows
 from kvcanary.ops.stage_batch import begin_decode, stage_batch
 from kvcanary.ops.stage_window import stage_window
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
@@ -757,6 +757,108 @@ def test_slot_rows_bad_input_raises_before_any_launch() -> None:
             mod.slot_rows(*args)
     torch.cuda.synchronize()
     assert not table.any() and not out.any()
+
+
+def _stage_rows_on(case: dict[str, Any], device: str, backend: str) -> tuple[torch.Tensor, ...]:
+    """(table, out, staging, facts) after one stage_slot_rows of ``case`` (test_slot_rows._stage_case) on ``device``
+    (staging pinned for CUDA; the facts are then their own device buffer)."""
+    c = {k: v.clone().to(device) if isinstance(v, torch.Tensor) and k != "staging" else v for k, v in case.items()}
+    c["staging"] = case["staging"].clone().pin_memory() if device != "cpu" else case["staging"].clone()
+    c["facts"] = case["facts"].clone().to(device)
+    stage_slot_rows(**c, backend=backend)
+    return tuple(c[k].cpu() for k in ("table", "out", "staging", "facts"))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stage_slot_rows_matches(seed: int) -> None:
+    """The CUDA op (the facts copied from pinned staging, then the fill) against the CPU op, and the torch backend on
+    CUDA; every tenth case a large batch (the fill's grid smaller than its jobs)."""
+    import test_slot_rows as TS  # noqa: PLC0415
+
+    case = TS._stage_case(random.Random(seed))
+    if seed % 10 == 9:
+        bs, L = 3000, 700
+        g = torch.Generator().manual_seed(seed)
+        kv = torch.randint(0, 900, (bs,), generator=g)
+        pre = torch.randint(0, 500, (bs,), generator=g)
+        rows = torch.randperm(bs) if seed % 20 == 9 else torch.randint(0, 40, (bs,), generator=g)
+        case = {"table": torch.zeros(bs, L, dtype=torch.int32), "facts_in": torch.stack([rows, pre, kv - pre]).numpy(),
+                "staging": torch.zeros(5, bs + 7, dtype=torch.int64),
+                "facts": torch.zeros(5, bs + 7, dtype=torch.int64),
+                "src": torch.randint(-3, 10**6, (int(kv.sum()),), generator=g),
+                "out": torch.zeros(5000, dtype=torch.int64), "write": torch.randint(-3, 10**6, (5000,), generator=g),
+                "stride": 7, "page": 4}
+    want = _stage_rows_on(case, "cpu", "cpu")
+    for backend in ("cuda", "torch"):
+        got = _stage_rows_on(case, CUDA, backend)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (seed, backend)
+
+
+def test_stage_slot_rows_replays_in_a_graph() -> None:
+    """Captured once (no event: a capture may not wait on one); each replay copies what the pinned staging holds then
+    and fills from it, as slot_rows of those facts."""
+    def facts(seed: int) -> np.ndarray:
+        g = torch.Generator().manual_seed(seed)
+        return torch.stack([torch.randint(-1, 5, (3,), generator=g), torch.randint(-1, 5, (3,), generator=g),
+                            torch.randint(-2, 4, (3,), generator=g)]).numpy()
+    table = torch.randint(-5, 9, (4, 6), device=CUDA)
+    src = torch.randint(-3, 99, (11,), device=CUDA, dtype=torch.int32)
+    out, write = torch.zeros(6, dtype=torch.int64, device=CUDA), torch.randint(-3, 99, (6,), device=CUDA)
+    staging = torch.zeros(5, 4, dtype=torch.int64).pin_memory()
+    dev_facts = torch.zeros(5, 4, dtype=torch.int64, device=CUDA)
+    side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        stage_slot_rows(table, facts(0), staging, dev_facts, src, out, write, 6, 4, backend="cuda")
+    torch.cuda.current_stream().wait_stream(side)
+    for seed in range(1, 6):
+        f = facts(seed)
+        host = torch.zeros(5, 4, dtype=torch.int64)
+        stage_slot_rows(torch.zeros(1, 1, dtype=torch.int64), f, host, host, src[:0].cpu(),
+                        out[:0].cpu(), write[:0].cpu(), 6, 4)  # the facts as the op stages them
+        staging.copy_(host)
+        before = table.cpu()
+        graph.replay()
+        torch.cuda.synchronize()
+        rows, pre, ext = f.tolist()
+        kv = [p + e for p, e in zip(pre, ext, strict=True)]
+        want_t, want_o = before.clone(), torch.zeros(6, dtype=torch.int64)
+        slot_rows(want_t, torch.tensor(rows), torch.tensor(host[4, :3].tolist()), torch.tensor(kv), src.cpu(), want_o,
+                  write.cpu(), 6, 4)
+        assert torch.equal(table.cpu(), want_t) and torch.equal(out.cpu(), want_o), seed
+        assert torch.equal(dev_facts[:, :3].cpu(), host[:, :3]), seed
+
+
+def test_stager_waits_for_the_pending_copy() -> None:
+    """A stager call queued behind a long kernel, its facts read on the stream, then the next call: its host write
+    must wait for the first call's copy (the event), so the first read still sees the first call's facts."""
+    table = torch.zeros(4, 8, dtype=torch.int64, device=CUDA)
+    stager = SlotRowStager(table, 4, 4, 4, "cuda")
+    src, none = torch.arange(20, device=CUDA), torch.zeros(0, dtype=torch.int64, device=CUDA)
+    torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # the copy below waits behind it
+    first = [v.clone() for v in stager(np.array([[1, 2], [3, 4], [1, 1]], dtype=np.int64), src, none, none)]
+    second = [v.clone() for v in stager(np.array([[0, 3], [0, 0], [5, 6]], dtype=np.int64), src, none, none)]
+    assert [v.tolist() for v in first] == [[1, 2], [3, 4], [1, 1]]
+    assert [v.tolist() for v in second] == [[0, 3], [0, 0], [5, 6]]
+    assert table[0, :5].tolist() == [0, 1, 2, 3, 4] and table[3, :6].tolist() == [5, 6, 7, 8, 9, 10]
+    assert table[1, :4].tolist() == [0, 1, 2, 3] and table[2, :5].tolist() == [4, 5, 6, 7, 8]  # the first's rows
+
+
+def test_stage_slot_rows_bad_input_raises_before_any_launch() -> None:
+    """Pageable staging (a copy the host would wait for) and a non-pinned staging with an event are input errors on
+    CUDA, as the CPU module's checks; nothing is written."""
+    table, out = torch.zeros(2, 3, dtype=torch.int64, device=CUDA), torch.zeros(2, dtype=torch.int64, device=CUDA)
+    src, write = torch.zeros(2, dtype=torch.int64, device=CUDA), torch.zeros(2, dtype=torch.int64, device=CUDA)
+    facts_in = np.array([[0], [0], [2]], dtype=np.int64)
+    pinned, dev_facts = torch.zeros(5, 2, dtype=torch.int64).pin_memory(), torch.zeros(5, 2, dtype=torch.int64,
+                                                                                       device=CUDA)
+    for args in ((table, facts_in, torch.zeros(5, 2, dtype=torch.int64), dev_facts),
+                 (table, facts_in, pinned, dev_facts.cpu()), (table, facts_in, pinned.to(CUDA), dev_facts),
+                 (table, facts_in.astype(np.int32), pinned, dev_facts), (table, facts_in, pinned, dev_facts[:, :1])):
+        with pytest.raises(CanaryInputError):
+            stage_slot_rows(*args, src, out, write, 4, 2, backend="cuda")
+    torch.cuda.synchronize()
+    assert not table.any() and not out.any() and not dev_facts.any() and not pinned.any()
 
 
 # ---- stage_window ------------------------------------------------------------------------------------------------

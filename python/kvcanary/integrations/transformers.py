@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import operator
 import threading
@@ -20,10 +19,10 @@ from kvcanary_schema import DEFAULT_REQ_CAPACITY, NO_SLOT, Group
 from kvcanary.adapter import BatchView, GroupSpec, PoolDescription, PrefixCacheExport, copy_transfer
 from kvcanary.config import CanaryConfig, CanaryMode
 from kvcanary.errors import CanaryInputError, KVCanaryError
-from kvcanary.hostcopy import StagedRows, export_of_blocks
+from kvcanary.hostcopy import export_of_blocks
 from kvcanary.manager import CanaryManager
 from kvcanary.manager import install as install_manager
-from kvcanary.ops.slot_rows import bind_slot_rows
+from kvcanary.ops.slot_rows import SlotRowStager
 from kvcanary.ops.types import SourceSpec
 from kvcanary.report import ReportSink, Violation, WindowReport
 from kvcanary.streams import StreamHandoff
@@ -256,10 +255,9 @@ class HFPoolAdapter:
             logger.warning("kvcanary: the slot table takes %d MiB (%d rows x %d positions); pass req_rows= and "
                            "max_context= to install() to shrink it", table_bytes >> 20, self.req_rows, self.max_context)
         self.req_to_token = torch.full((self.req_rows, self.max_context), NO_SLOT, dtype=dtype, device=self.device)
-        self._slot_rows = bind_slot_rows(self.req_to_token, self.stride, self.page, backend)
-        # the batch view's per-forward buffers: its row facts (rows, prefix, extend, kv lengths, read starts) staged
-        # in one copy, its converted write slots (grown on demand)
-        self._facts = StagedRows(5, self.req_rows, self.device)
+        # the batch view's per-forward buffers: its row facts staged with the slot rows' fill in one call, its converted
+        # write slots (grown on demand)
+        self._stage_rows = SlotRowStager(self.req_to_token, self.stride, self.page, self.req_rows, backend)
         self._out = torch.empty(0, dtype=torch.int64, device=self.device)
         # _views: the buffers its views are of, and the views by token count
         self._view_bases: tuple[torch.Tensor | None, ...] = (None,) * 4
@@ -335,8 +333,8 @@ class HFPoolAdapter:
     def batch_view(self, io: Any, batch: _Batch) -> BatchView:
         """The forward's batch view: the slot table is what the attention reads (``read_index``), the write slots
         what it writes (``write_index``), both converted to dense slots. The rows are rebuilt from the read index every
-        forward, so the canary verifies exactly what the attention reads: the row facts in one copy, then one
-        ``slot_rows`` call (docs/ops-contract.md 12) fills the rows and converts the write slots."""
+        forward, so the canary verifies exactly what the attention reads: one ``stage_slot_rows`` call
+        (docs/ops-contract.md 12a) stages the row facts, fills the rows and converts the write slots."""
         ids, pre, ext = batch.ids, batch.pre, batch.ext
         known = list(map(self._rows.get, ids))
         # a request seen for the first time gets its row
@@ -349,15 +347,13 @@ class HFPoolAdapter:
             raise CanaryInputError(f"request {ids[i]!r} reaches {kv[i]} positions, past the slot table's "
                                    f"max_context={self.max_context} (the model's max_position_embeddings unless "
                                    "install(..., max_context=N))")
-        starts = list(itertools.accumulate(kv, initial=0))
-        total = starts.pop()
-        dev_rows, dev_pre, dev_ext, dev_kv, dev_starts = self._facts.put((rows, pre, ext, kv, starts), bs)
+        total = sum(kv)
+        facts = np.array((rows, pre, ext), dtype=np.int64)  # the facts as arrays: no conversion in begin
         write, input_ids, positions, out = self._views(io, n)
         src = self._read_slots(io, batch, total, write) if total else write[:0]
-        self._slot_rows(dev_rows, dev_starts, dev_kv, src, out, write)
-        host_rows, host_pre, host_ext = self._facts.host_rows(bs)[:3]  # the facts as arrays: no conversion in begin
+        dev_rows, dev_pre, dev_ext = self._stage_rows(facts, src, out, write)
         return BatchView(dev_rows, dev_pre, dev_ext, self.req_to_token, input_ids, positions, out,
-                         ids, host_rows, host_pre, host_ext, _Histories(batch.states),
+                         ids, facts[0], facts[1], facts[2], _Histories(batch.states),
                          true_new_tokens=batch.new_tokens(n))
 
     def _views(self, io: Any, n: int) -> tuple[torch.Tensor, ...]:
