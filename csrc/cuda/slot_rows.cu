@@ -55,8 +55,6 @@ __global__ void __launch_bounds__(kSlotRowsThreads) slot_rows_kernel(const SlotR
   }
 }
 
-}  // namespace
-
 // One slot_rows launch on the device's current stream: the row facts at `rows`, `starts`, `lens` (device memory).
 void launch_slot_rows(const TensorView& table, const int64_t* rows, const int64_t* starts, const int64_t* lens,
                       const TensorView& src, const TensorView& out, const TensorView& write, const SlotRowsArgs& a,
