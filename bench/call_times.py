@@ -7,8 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 
-def time_calls(owner: type, name: str, times: dict[str, list[float]], before: Callable[[], None] | None = None) -> None:
-    """Patch ``owner.name`` to append each call's seconds to ``times[name]`` (``before``: run first, untimed)."""
+def time_calls(owner: type, name: str, times: dict[str, list[float]], before: Callable[[], None] | None = None,
+               label: str | None = None) -> None:
+    """Patch ``owner.name`` to append each call's seconds to ``times[label or name]`` (``before``: run first,
+    untimed)."""
     fn: Callable[..., Any] = getattr(owner, name)
 
     def wrapper(*a: Any, **k: Any) -> Any:
@@ -18,5 +20,5 @@ def time_calls(owner: type, name: str, times: dict[str, list[float]], before: Ca
         try:
             return fn(*a, **k)
         finally:
-            times.setdefault(name, []).append(time.perf_counter() - t)
+            times.setdefault(label or name, []).append(time.perf_counter() - t)
     setattr(owner, name, wrapper)

@@ -62,11 +62,17 @@ for owner, name in ((kt.HFPoolAdapter, "batch_view"), (mg.CanaryManager, "begin_
 if os.environ.get("DEEP") == "1":  # inside the slice (export build, derive, launches) and the batch view
     for owner, name in ((kt.HFPoolAdapter, "forget_hashes"), (kt, "export_of_blocks"), (hc, "packed"),
                         (sw, "derive_roll"), (sw, "bind_plan_roll"), (sw.Sweeper, "_verify"),
-                        (ad.PrefixCacheExport, "validate"), (sr.SlotRowStager, "__call__"), (kt._Batch, "new_tokens"),
+                        (ad.PrefixCacheExport, "validate"), (kt._Batch, "new_tokens"),
                         (kt, "BatchView"), (up.Upload, "steady"), (ad.BatchView, "check_table"),
-                        (pg.EagerGraphs, "__call__"), (torch.cuda.CUDAGraph, "replay"),
+                        (torch.cuda.CUDAGraph, "replay"),
                         (mg.CanaryManager, "_expect_sweep"), (kt._Session, "_check_writes")):
         time_calls(owner, name, times)  # type: ignore[arg-type]
+    # the batch view's staging (before 12a: StagedRows.put; an A/B may run either) and the eager graphs' launches
+    for owner, name, label in ((getattr(sr, "SlotRowStager", None), "__call__", "stage_slot_rows"),
+                               (getattr(hc, "StagedRows", None), "put", "put"),
+                               (pg.EagerGraphs, "__call__", "EagerGraphs")):
+        if owner is not None:
+            time_calls(owner, name, times, label=label)
     wrap_update = kt._Session._wrap_update
 
     def timed_wrap_update(self, orig):  # type: ignore[no-untyped-def]

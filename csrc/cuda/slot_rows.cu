@@ -87,8 +87,9 @@ void stage_slot_rows(TensorView table, TensorView facts_in, TensorView staging, 
   const StageSlotRowsArgs s =
       check_stage_slot_rows_args(kDLCUDA, table, facts_in, staging, facts, src, out, write, stride, page);
   const DLDevice dev = table.device();
-  // pageable staging would make the copy synchronous: the same pinned rule as begin_decode's (an error before any write)
-  (void)mapped_host(s.staging, "staging", dev.device_id);
+  // pageable staging would make the copy synchronous: the same pinned rule as begin_decode's (an error before any
+  // write); an empty one has no memory to pin
+  if (s.width > 0) (void)mapped_host(s.staging, "staging", dev.device_id);
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const cudaStream_t stream = stream_of(dev);
   const auto guard_event = reinterpret_cast<cudaEvent_t>(event);
