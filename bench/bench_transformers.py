@@ -326,8 +326,8 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
     measure the setup's own offset between two identical models (its row: the median and interval; an interval
     that excludes 0 says the variants' intervals are narrower than the setup's error). Each variant's step also
     pairs with the control's step of its round (``overhead_vs_control_pct``, its interval, ``met_vs_control``): two
-    models that are not the baseline, so an offset of the baseline's own (the control's median was +0.21 to +0.32 %
-    in the four H200 calls of bench/results/host_session23-24) cancels; the row's ``met`` stays the baseline pairs'.
+    models that are not the baseline, so an offset of the baseline's own (the control's median was -0.08 to +0.62 %
+    in the six H200 calls of bench/results/host_session23-25) cancels; the row's ``met`` stays the baseline pairs'.
 
     ``spin_us``: one more model with no canary whose every step also busy-waits ``spin_us`` on the host (:func:`spin`),
     paired with the baseline like a variant: the pairs' calibration. Its row puts the pairs' median next to what the
