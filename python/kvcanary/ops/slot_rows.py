@@ -74,6 +74,7 @@ def _checked_call(tbl: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, l
 
 def _checked_slots(tbl: torch.Tensor, src: torch.Tensor, out: torch.Tensor,
                    write: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The read slots, converted write slots and write slots checked against the table."""
     d = tbl.device
     s = check_tensor(src, "src", dtype=_INDEX, ndim=1, device=d)
     o = check_tensor(out, "out", ndim=1, device=d)
