@@ -416,6 +416,7 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
                      "attributed_upper_quartile_pct": round(_quartiles(att)[1], 3),
                      # the amortized share: periodic work (a rolling-sweep slice every few steps, a report window
                      # every 64) weighs in by its total, not by its rank
+                     "attributed_pct": _raw(attributed[name]),
                      "attributed_mean_pct": round(100.0 * sum(canary_ms[name])
                                                   / (sum(step_ms[name]) - sum(canary_ms[name])), 3),
                      "canary_host_ms_per_step": round(med(canary_ms[name]), 3),
@@ -456,14 +457,23 @@ def _pair_summary(pairs: list[float], key: str) -> dict[str, Any]:
 def _paired_row(name: str, step_ms: list[float], pairs: list[float]) -> dict[str, Any]:
     """The start of a config's row: its decode step time and its steps paired with the baseline's."""
     return {"config": name, "decode_step_ms": round(statistics.median(step_ms), 3),
-            **_pair_summary(pairs, "overhead"), "step_pairs": len(pairs)}
+            **_pair_summary(pairs, "overhead"), "step_pairs": len(pairs), "pairs_pct": _raw(pairs)}
+
+
+RAW_KEYS = ("pairs_pct", "pairs_vs_control_pct", "attributed_pct")  # a row's per-step lists (in the JSON, not printed)
+
+
+def _raw(xs: list[float]) -> list[float]:
+    """Per-step values as the JSON keeps them (for pooling runs: bench/pool_tf_runs.py)."""
+    return [round(x, 4) for x in xs]
 
 
 def _against_control(pairs: list[float], target: float) -> dict[str, Any]:
     """A variant's steps paired with the control's (none without ``--control``): median, interval and verdict."""
     if not pairs:
         return {}
-    return {**_pair_summary(pairs, "overhead_vs_control"), "met_vs_control": _verdict(sorted(pairs), target)}
+    return {**_pair_summary(pairs, "overhead_vs_control"), "met_vs_control": _verdict(sorted(pairs), target),
+            "pairs_vs_control_pct": _raw(pairs)}
 
 
 def _verdict(pairs: list[float], target: float) -> bool | None:
@@ -536,7 +546,7 @@ def main() -> None:
                   a.new_tokens, a.repeats, a.device, variants, a.skip_decode,
                   None if a.loop_cpu < 0 else a.loop_cpu, a.control, a.spin_us)
     for r in res["rows"]:
-        print(json.dumps(r))
+        print(json.dumps({k: v for k, v in r.items() if k not in RAW_KEYS}))
     out = {"machine": platform.node(), "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
            "command": f"python -m bench.bench_transformers --device {a.device} --model {a.model} --batch {a.batch} "

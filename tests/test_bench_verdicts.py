@@ -1,6 +1,6 @@
 """The transformers benchmark's verdicts: the step pairs' median interval (hand-computed ranks, a brute-force
-binomial; noise must never produce a met) and the profiled timeline's steps (hand-built events, the busy union against
-a brute-force count)."""
+binomial; noise must never produce a met), the profiled timeline's steps (hand-built events, the busy union against
+a brute-force count), and runs pooled into one verdict."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.bench_transformers import MARK, _combined, _median_ci, _quartiles, _union_us, _verdict, timeline_steps
+from bench.pool_tf_runs import PoolError, pool
 
 
 @pytest.mark.parametrize(("n", "ranks"), [
@@ -113,3 +114,57 @@ def test_union_counts_each_busy_unit_once(spans: list[tuple[int, int]]) -> None:
     intervals = [(float(a), float(a + d)) for a, d in spans]
     covered = {u for a, d in spans for u in range(a, a + d)}
     assert _union_us(intervals) == len(covered)
+
+
+def _run(pairs: list[float], att: list[float] | None = None, vs: list[float] | None = None,
+         host_bound: bool = True) -> dict[str, object]:
+    """A bench_transformers JSON of one variant (target 1 %) and the control, with these per-step lists."""
+    variant: dict[str, object] = {"config": "v", "overhead_pct": statistics.median(pairs), "pairs_pct": pairs,
+                                  "target_pct": 1.0, "met_attributed": True if host_bound else None}
+    if att is not None:
+        variant["attributed_pct"] = att
+    if vs is not None:
+        variant["pairs_vs_control_pct"] = vs
+    control = {"config": "c", "overhead_pct": 0.0, "pairs_pct": [0.0] * len(pairs)}
+    return {"rows": [{"config": "baseline", "decode_step_ms": 60.0}, control, variant]}
+
+
+def test_pooled_runs_are_one_run_of_all_their_pairs() -> None:
+    """Two runs of five pairs each have no interval alone; pooled, the ten pairs give the interval of x_(2), x_(9)
+    (hand-computed above) and a verdict; the bound's quartiles and the pairs against the control pool the same way."""
+    a, b = [0.1, 0.5, 0.2, 0.9, 0.3], [0.4, 0.8, 0.0, 0.6, 0.7]
+    rows = {r["config"]: r for r in pool({"a": _run(a, att=a, vs=b), "b": _run(b, att=b, vs=a)})}
+    v = rows["v"]
+    both = sorted(a + b)
+    assert v["runs"] == 2 and v["step_pairs"] == 10 and v["run_overheads_pct"] == [0.3, 0.6]
+    assert v["overhead_pct"] == round(statistics.median(both), 2) and v["overhead_ci95_pct"] == [both[1], both[8]]
+    assert v["met_pairs"] is True and v["met"] is True  # x_(9) = 0.8 <= 1 %
+    assert v["attributed_upper_quartile_pct"] == round(_quartiles(both)[1], 3) and v["met_attributed"] is True
+    assert v["overhead_vs_control_ci95_pct"] == [both[1], both[8]] and v["met_vs_control"] is True
+    assert rows["c"] == {"config": "c", "runs": 2, "step_pairs": 10, "overhead_pct": 0.0,
+                         "overhead_ci95_pct": [0.0, 0.0], "run_overheads_pct": [0.0, 0.0]}
+
+
+def test_pooled_verdicts_follow_the_pairs_and_the_bound() -> None:
+    """Pairs above the target miss; a bound over the target misses whatever the pairs say; a run not profiled as
+    host-bound leaves the bound out of the verdict."""
+    high = [1.5 + 0.1 * i for i in range(10)]
+    low = [0.1 * i for i in range(10)]
+    assert pool({"a": _run(high)})[1]["met"] is False
+    over = pool({"a": _run(low, att=[2.0] * 10)})[1]
+    assert over["met_pairs"] is True and over["met_attributed"] is False and over["met"] is False
+    unprofiled = pool({"a": _run(low, att=[2.0] * 10), "b": _run(low, att=[2.0] * 10, host_bound=False)})[1]
+    assert unprofiled["met_attributed"] is None and unprofiled["met"] is True
+
+
+def test_pooling_refuses_runs_it_cannot_pool() -> None:
+    """A run written before the per-step lists were kept, and runs that disagree on a config's target."""
+    old = _run([0.1] * 6)
+    del old["rows"][2]["pairs_pct"]  # type: ignore[index]
+    with pytest.raises(PoolError, match="old.json"):
+        pool({"new.json": _run([0.1] * 6), "old.json": old})
+    other = _run([0.1] * 6)
+    other["rows"][2]["target_pct"] = 2.0  # type: ignore[index]
+    with pytest.raises(PoolError, match="targets"):
+        pool({"a": _run([0.1] * 6), "b": other})
+

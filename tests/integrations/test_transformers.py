@@ -893,7 +893,8 @@ def test_benchmark_attributes_the_canary_host_time_per_step() -> None:
     assert set(rows) == {"baseline", CONTROL, *(name for name, _, _ in VARIANTS)}
     assert res["decode_steps_per_config"] == 5 and rows[CONTROL]["step_pairs"] == 5
     assert set(rows[CONTROL]) == {"config", "decode_step_ms", "overhead_pct", "overhead_ci95_pct", "step_pairs",
-                                  "repeat_overheads_pct"}
+                                  "repeat_overheads_pct", "pairs_pct"}
+    assert len(rows[CONTROL]["pairs_pct"]) == 5
     for name, _, target in VARIANTS:
         r = rows[name]
         assert r["canary_host_ms_per_step"] > 0 and r["attributed_overhead_pct"] > 0, r
@@ -902,6 +903,7 @@ def test_benchmark_attributes_the_canary_host_time_per_step() -> None:
         assert r["met_attributed"] is None and r["met"] is r["met_pairs"] and "gpu_busy_pct" not in r
         assert isinstance(r["overhead_vs_control_pct"], float) and r["met_vs_control"] is None
         assert r["overhead_vs_control_ci95_pct"] == [-math.inf, math.inf], r
+        assert len(r["pairs_pct"]) == len(r["pairs_vs_control_pct"]) == len(r["attributed_pct"]) == 5, r
 
 
 def test_benchmark_spin_calibrates_the_pairs() -> None:
