@@ -5,7 +5,9 @@
 # prompt 1024), then B's bench_transformers row unless NO_BENCH (steady state, the configs side by side, their loops
 # pinned by the bench itself to core 4). Files in $OUT: log.txt tf_bench.json. Carry .whl (tvm-ffi) .ab .hfproto.
 # PIN: a command prefix for the probe's processes. ROUNDS=0: no A side (no .ab/srcA needed), B's tests and bench only.
-# Usage: [ROUNDS=2] [NO_TESTS=1] [NO_BENCH=1] [PIN="taskset -c 4"] bash gpu/run_tf_ab.sh
+# The probe's own variables pass through (DEEP=1 NEW=41: its parts inside the batch view and the slice, the bench's
+# token count); BENCH_ARGS: more bench_transformers arguments (e.g. "--control --repeats 3"; later ones win).
+# Usage: [ROUNDS=2] [NO_TESTS=1] [NO_BENCH=1] [PIN="taskset -c 4"] [DEEP=1 NEW=41] [BENCH_ARGS=...] bash gpu/run_tf_ab.sh
 set -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -38,6 +40,7 @@ side() {  # side A|B: that side's Python sources
   side B
   [ -n "${NO_BENCH:-}" ] || { echo "=== bench_transformers B $(date -u +%T)"
     timeout 420 python3 -m bench.bench_transformers --device cuda --model 1b --batch 32 --prompt 1024 \
-      --new-tokens 41 --skip-decode 16 --repeats 4 --loop-cpu 4 --out "$OUT/tf_bench.json" 2>&1 | grep -v Logger; }
+      --new-tokens 41 --skip-decode 16 --repeats 4 --loop-cpu 4 --out "$OUT/tf_bench.json" ${BENCH_ARGS:-} 2>&1 \
+      | grep -v Logger; }
   echo "=== done $(date -u +%T)"
 } 2>&1 | tee "$OUT/log.txt"
