@@ -66,7 +66,6 @@ inline SlotRowsArgs check_slot_rows_args(DLDeviceType device, const TensorView& 
                                          const TensorView& starts, const TensorView& lens, const TensorView& src,
                                          const TensorView& out, const TensorView& write, int64_t stride,
                                          int64_t page) {
-  check_slot_table(table, table, "table", "table");
   for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{rows, "rows"}, {starts, "starts"},
                                 {lens, "lens"}}) {
     check_i64_tensor(t, table, 1, name, "table");
@@ -128,7 +127,6 @@ inline StageSlotRowsArgs check_stage_slot_rows_args(DLDeviceType device, const T
     check_host_memory(t, name);
     check_dim(t, 0, rows, name);
   }
-  check_slot_table(table, table, "table", "table");
   check_i64_tensor(facts, table, 2, "facts", "table");
   check_dim(facts, 0, kSlotFactRows, "facts");
   check_dim(facts, 1, staging.size(1), "facts");

@@ -40,10 +40,7 @@ def slot_rows(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, len
     if b == "torch":
         slot_rows_torch(tbl, *args, stride, page)
         return
-    try:
-        _native.module(b).slot_rows(tbl, *args, stride, page)
-    except (TypeError, ValueError) as err:  # the native entry's checks, as this library's input error
-        raise CanaryInputError(f"slot_rows: {err}") from err
+    _native_call(_native.module(b).slot_rows, "slot_rows", tbl, *args, stride, page)
 
 
 _Call = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -103,10 +100,15 @@ def stage_slot_rows(table: torch.Tensor, facts_in: np.ndarray, staging: torch.Te
             raise CanaryInputError("stage_slot_rows: event must be 0 off the CUDA backend")
         stage_slot_rows_torch(tbl, *args, stride, page)
         return
+    _native_call(_native.module(b).stage_slot_rows, "stage_slot_rows", tbl, *args, stride, page, event)
+
+
+def _native_call(fn: Callable[..., None], name: str, *args: object) -> None:
+    """A native entry's call, its argument checks' errors raised as this library's input error."""
     try:
-        _native.module(b).stage_slot_rows(tbl, *args, stride, page, event)
-    except (TypeError, ValueError) as err:  # the native entry's checks, as this library's input error
-        raise CanaryInputError(f"stage_slot_rows: {err}") from err
+        fn(*args)
+    except (TypeError, ValueError) as err:
+        raise CanaryInputError(f"{name}: {err}") from err
 
 
 def _checked_facts(tbl: torch.Tensor, facts_in: np.ndarray, staging: torch.Tensor,
@@ -132,7 +134,7 @@ def stage_slot_rows_torch(table: torch.Tensor, facts_in: np.ndarray, staging: to
     if any(not _I64[0] <= v < _I64[1] for v in kv + starts):
         raise CanaryInputError("stage_slot_rows: a kv length (prefix + extend) or read start leaves int64")
     bs = len(rows)
-    staging[:, :bs] = torch.tensor([rows, pre, ext, kv, starts[:-1]], dtype=torch.int64).view(FACT_ROWS, bs)
+    staging[:, :bs] = torch.tensor([rows, pre, ext, kv, starts[:-1]], dtype=torch.int64)
     if facts.data_ptr() != staging.data_ptr():
         facts[:, :bs].copy_(staging[:, :bs])
     slot_rows_torch(table, facts[0, :bs], facts[4, :bs], facts[3, :bs], src, out, write, stride, page)
@@ -169,14 +171,12 @@ class SlotRowStager:
         """Stage ``facts_in`` (int64 ``[3, bs]``) and fill the table's rows from ``src`` (converting ``write`` into
         ``out``); the batch's rows, prefix and extend lengths on the table's device (views of the facts, overwritten
         by the next call: work that reads them must be queued on the current stream before it)."""
-        tbl, staging, facts = self._static
         if self._native is None:
             stage_slot_rows(self.table, facts_in, self.staging, self.facts, src, out, write, self.stride, self.page)
-        else:
-            try:  # src, out and write stay torch tensors: tvm-ffi takes torch's current stream from them
-                self._native(tbl, facts_in, staging, facts, src, out, write, self.stride, self.page, self._event)
-            except (TypeError, ValueError) as err:
-                raise CanaryInputError(f"stage_slot_rows: {err}") from err
+        else:  # src, out and write stay torch tensors: tvm-ffi takes torch's current stream from them
+            tbl, staging, facts = self._static
+            _native_call(self._native, "stage_slot_rows", tbl, facts_in, staging, facts, src, out, write, self.stride,
+                         self.page, self._event)
         bs = facts_in.shape[1]
         v = self._views.get(bs)
         if v is None:
