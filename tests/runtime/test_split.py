@@ -316,6 +316,34 @@ def test_the_steady_path_leaves_what_the_general_path_leaves(backend: str, view:
         assert m.flush() is not None and sum(r.total for r in m.reports) == 0
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_the_held_batch_keeps_its_own_rows_when_the_engine_reuses_its_array(backend: str) -> None:
+    """Upload's held answer (reused while a decode stream's batches repeat) hands begin_decode its own copy of the
+    rows: an engine that rewrites the array it passed, after the forward, changes nothing for a later batch of the same
+    rows, which still takes the steady path and leaves what the general path leaves."""
+    engines = [setup(n_reqs=3, backend=backend) for _ in range(2)]
+    engines[1][1].upload._decodes = False  # the general path only
+    taken: list[bool] = []
+    steady = engines[0][1].upload.steady
+
+    def spy(*args: object) -> list[object] | None:
+        ids = steady(*args)  # type: ignore[arg-type]
+        taken.append(ids is not None)
+        return ids  # type: ignore[return-value]
+    engines[0][1].upload.steady = spy  # type: ignore[method-assign]
+    for i in range(5):
+        for eng, m in engines:
+            b = _bulk(eng.batch())
+            rows = np.array(b.req_pool_indices_host, dtype=np.int64)
+            bracket(eng, m, dataclasses.replace(b, req_pool_indices_host=rows))
+            rows[:] = rows[::-1].copy()  # the engine's buffer, reused: other rows in another order
+        got, want = (_state(m) for _, m in engines)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), i
+    assert taken == [False] + [True] * 4
+    for _, m in engines:
+        assert m.flush() is not None and sum(r.total for r in m.reports) == 0
+
+
 def test_a_capture_leaves_the_rows_chains_where_they_were() -> None:
     """Nothing runs at a capture: Upload.begin(capture=True) stages the batch's truth but leaves the rows' chains, so
     the real forward of the same batch that follows is still a steady decode, staging the same truth (before, it found

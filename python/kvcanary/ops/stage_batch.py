@@ -80,16 +80,21 @@ class BatchStager:
         ``k``."""
         self._fn(*src, self._staging[k], *self._dst, pad_rows, pad_tokens, self.padding_row)
 
+    def host(self, values: np.ndarray) -> object:
+        """A host array as :meth:`decode` takes it, converted once for the native op (the array stays shared)."""
+        return values if self.backend == "torch" else tvm_ffi.from_dlpack(values)
+
     def row_state(self, h: np.ndarray, n: np.ndarray, seen: np.ndarray, prefix: np.ndarray) -> tuple[object, ...]:
         """The per-row state :meth:`decode` updates, converted once for the native op (the arrays stay shared)."""
         arrays = (h.view(np.int64), n, seen, prefix)
-        return arrays if self.backend == "torch" else tuple(tvm_ffi.from_dlpack(a) for a in arrays)
+        return tuple(self.host(a) for a in arrays)
 
-    def decode(self, src: Sequence[torch.Tensor], k: int, pad_rows: int, pad_tokens: int, host: Sequence[np.ndarray],
-               true_new: np.ndarray | torch.Tensor, live: np.ndarray, rows: tuple[object, ...], offset: int,
+    def decode(self, src: Sequence[torch.Tensor], k: int, pad_rows: int, pad_tokens: int, host: Sequence[object],
+               true_new: np.ndarray | torch.Tensor, live: object, rows: tuple[object, ...], offset: int,
                step: int, reuse: np.ndarray | None = None, event: int = 0) -> int:
-        """:func:`begin_decode` with staging buffer ``k`` (``host``: the batch's rows, prefix and extend lengths;
-        ``rows``: :meth:`row_state`; ``reuse``: the reuse ends, None: none; ``event``: the buffer's CUDA event)."""
+        """:func:`begin_decode` with staging buffer ``k`` (``host``: the batch's rows, prefix and extend lengths, and
+        ``live``, as numpy arrays or :meth:`host`'s forms; ``rows``: :meth:`row_state`; ``reuse``: the reuse ends,
+        None: none; ``event``: the buffer's CUDA event)."""
         h, n, seen, prefix = rows
         return self._decode(*src, self._staging[k], *self._dst, pad_rows, pad_tokens, self.padding_row, *host, true_new,
                             live, h, n, offset, seen, prefix, step, self._no_reuse if reuse is None else reuse, event)
