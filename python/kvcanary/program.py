@@ -54,6 +54,18 @@ Variant = tuple[Literal["pre", "post", "graph"], bool]
 Stages = Lazy[Variant, tuple[Op, ...]]
 
 
+def _end_pool_routing(device: int, pool: tuple[int, int]) -> None:
+    """After a failed capture into ``pool``: end torch's routing of allocations to it. A torch without pytorch#180395's
+    fix raises capture_end's error before it ends the routing, and its allocator then counts the capture as underway
+    for good: the next teardown of any memory pool (a ``torch.cuda.MemPool``, the interpreter's exit) aborts the
+    process (``captures_underway.empty()``). A torch that has ended it already says so (RuntimeError), ignored; so is a
+    torch whose private binding differs (the cleanup is best effort: the fallback must not fail for it)."""
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except (RuntimeError, TypeError, AttributeError):
+        pass
+
+
 @contextmanager
 def side_branch(side: torch.cuda.Stream) -> Iterator[None]:
     """Launches inside the block go to ``side``, after the current stream's work so far; a captured graph gets them
@@ -350,6 +362,7 @@ class EagerGraphs:
                 finally:
                     g.capture_end()
         except RuntimeError as err:
+            _end_pool_routing(self._device, self._pool)
             self.enabled = False
             logger.warning("kvcanary: capturing an eager stage failed (%s); its stages run without graphs", err)
             return None

@@ -4,6 +4,10 @@ launching each kernel, one graph per (stage, shape, slot table), and the fallbac
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +173,41 @@ def test_eager_forward_inside_an_engine_capture_is_not_captured_twice() -> None:
 def test_cpu_has_no_graphs() -> None:
     _, m = _make("cpu")
     assert m.program.graphs is None
+
+
+# a failed capture of an eager stage (a sync inside it), then a memory pool torn down, then the interpreter's exit
+_FAILED_CAPTURE_THEN_POOL = textwrap.dedent("""
+    import torch
+    import kvcanary.program as program
+    from tests.runtime.test_eager_graphs import _make
+    from tests.runtime.helpers import step
+
+    real_run = program.run
+
+    def syncing_run(*args):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+        real_run(*args)
+
+    program.run = syncing_run
+    eng, m = _make("cuda")
+    for _ in range(20):
+        step(eng, m)
+    assert not m.program.graphs.enabled
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        x = torch.ones(1024, device="cuda")
+    del x, pool
+    torch.cuda.synchronize()
+    print("clean exit")
+""")
+
+
+@gpu
+def test_a_failed_capture_leaves_torchs_allocator_able_to_tear_down_pools() -> None:
+    """After the fallback, tearing down a memory pool and exiting do not abort the process: torch (before
+    pytorch#180395) leaves its allocator routing to a failed capture's pool, which program._end_pool_routing ends.
+    In a subprocess: the failure it guards against is an abort."""
+    got = subprocess.run([sys.executable, "-c", _FAILED_CAPTURE_THEN_POOL], capture_output=True, text=True,
+                         timeout=300, check=False, cwd=Path(__file__).parents[2])
+    assert got.returncode == 0 and "clean exit" in got.stdout, got.stderr[-3000:]
