@@ -4,6 +4,7 @@ truth form)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -286,6 +287,31 @@ def _state(m: CanaryManager) -> list[np.ndarray]:
         [a.copy() for a in (up.chains.h, up.chains.n, up.requests.seen, up.requests.prefix)]
 
 
+def _steady_against_general(backend: str, forwards: int, run: Callable[[FakeEngine, CanaryManager], None]
+                            ) -> list[bool]:
+    """``forwards`` forwards (``run`` brackets one) on two engines, one of them with begin_decode switched off (the
+    general path only): after each forward both leave the same buffers and row state, and no window has a violation.
+    Returns, per forward of the first engine, whether Upload.steady took it."""
+    engines = [setup(n_reqs=3, backend=backend) for _ in range(2)]
+    engines[1][1].upload._decodes = False
+    taken: list[bool] = []
+    steady = engines[0][1].upload.steady
+
+    def spy(*args: object) -> list[object] | None:
+        ids = steady(*args)  # type: ignore[arg-type]
+        taken.append(ids is not None)
+        return ids  # type: ignore[return-value]
+    engines[0][1].upload.steady = spy  # type: ignore[method-assign]
+    for i in range(forwards):
+        for eng, m in engines:
+            run(eng, m)
+        got, want = (_state(m) for _, m in engines)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), i
+    for _, m in engines:
+        assert m.flush() is not None and sum(r.total for r in m.reports) == 0
+    return taken
+
+
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("view", [False, True])
 def test_the_steady_path_leaves_what_the_general_path_leaves(backend: str, view: bool) -> None:
@@ -293,27 +319,11 @@ def test_the_steady_path_leaves_what_the_general_path_leaves(backend: str, view:
     and they leave exactly the buffers and row state that the numpy path (begin_decode switched off) leaves for the
     same forwards; also when the slot table is a fresh view
     every forward (as vLLM's block_table[:n])."""
-    engines = [setup(n_reqs=3, backend=backend) for _ in range(2)]
-    engines[1][1].upload._decodes = False  # the general path only
-    taken: list[bool] = []
-    steady = engines[0][1].upload.steady
-
-    def spy(*args: object) -> list[object] | None:
-        ids = steady(*args)  # type: ignore[arg-type]
-        taken.append(ids is not None)
-        return ids  # type: ignore[return-value]
-    engines[0][1].upload.steady = spy  # type: ignore[method-assign]
-    for i in range(6):
-        for eng, m in engines:
-            b = _bulk(eng.batch(pad_to=4))
-            if view:
-                b = dataclasses.replace(b, req_to_token=b.req_to_token[:])
-            bracket(eng, m, b)
-        got, want = (_state(m) for _, m in engines)
-        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), i
-    assert taken == [False] + [True] * 5  # the prefill's requests are new to their rows, every decode is steady
-    for _, m in engines:
-        assert m.flush() is not None and sum(r.total for r in m.reports) == 0
+    def run(eng: FakeEngine, m: CanaryManager) -> None:
+        b = _bulk(eng.batch(pad_to=4))
+        bracket(eng, m, dataclasses.replace(b, req_to_token=b.req_to_token[:]) if view else b)
+    # the prefill's requests are new to their rows, every decode is steady
+    assert _steady_against_general(backend, 6, run) == [False] + [True] * 5
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -321,27 +331,12 @@ def test_the_held_batch_keeps_its_own_rows_when_the_engine_reuses_its_array(back
     """Upload's held answer (reused while a decode stream's batches repeat) hands begin_decode its own copy of the
     rows: an engine that rewrites the array it passed, after the forward, changes nothing for a later batch of the same
     rows, which still takes the steady path and leaves what the general path leaves."""
-    engines = [setup(n_reqs=3, backend=backend) for _ in range(2)]
-    engines[1][1].upload._decodes = False  # the general path only
-    taken: list[bool] = []
-    steady = engines[0][1].upload.steady
-
-    def spy(*args: object) -> list[object] | None:
-        ids = steady(*args)  # type: ignore[arg-type]
-        taken.append(ids is not None)
-        return ids  # type: ignore[return-value]
-    engines[0][1].upload.steady = spy  # type: ignore[method-assign]
-    for i in range(5):
-        for eng, m in engines:
-            b = _bulk(eng.batch())
-            rows = np.array(b.req_pool_indices_host, dtype=np.int64)
-            bracket(eng, m, dataclasses.replace(b, req_pool_indices_host=rows))
-            rows[:] = rows[::-1].copy()  # the engine's buffer, reused: other rows in another order
-        got, want = (_state(m) for _, m in engines)
-        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)), i
-    assert taken == [False] + [True] * 4
-    for _, m in engines:
-        assert m.flush() is not None and sum(r.total for r in m.reports) == 0
+    def run(eng: FakeEngine, m: CanaryManager) -> None:
+        b = _bulk(eng.batch())
+        rows = np.array(b.req_pool_indices_host, dtype=np.int64)
+        bracket(eng, m, dataclasses.replace(b, req_pool_indices_host=rows))
+        rows[:] = rows[::-1].copy()  # the engine's buffer, reused: other rows in another order
+    assert _steady_against_general(backend, 5, run) == [False] + [True] * 4
 
 
 def test_a_capture_leaves_the_rows_chains_where_they_were() -> None:
