@@ -42,7 +42,8 @@ side() {  # side A|B: that side's sources, each with its own JIT cache
   echo "=== hook probe B $(date -u +%T)"
   timeout 120 $PIN python3 gpu/probe_hook_times.py cuda
   [ -z "${TESTS:-}" ] || { echo "=== gpu tests B $(date -u +%T)"
-    timeout 300 python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider --tb=short 2>&1 | tail -15; }
+    timeout 300 python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider --tb=short > /tmp/gpu_tests.log 2>&1
+    echo "gpu tests rc=$?"; grep -E "passed|failed|error" /tmp/gpu_tests.log | tail -15; }
   python3 -m bench.summarize_rounds /tmp/rounds > "$OUT/summary.md"; cat "$OUT/summary.md"
   tar -czf "$OUT/rounds.tar.gz" -C /tmp rounds
   echo "=== done $(date -u +%T)"
