@@ -175,6 +175,25 @@ def test_cpu_has_no_graphs() -> None:
     assert m.program.graphs is None
 
 
+@pytest.mark.parametrize("fails", [None, RuntimeError, TypeError, AttributeError])
+def test_the_pool_routing_guard_ends_the_routing_and_never_raises(fails: type[Exception] | None,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """program._end_pool_routing asks torch to end the routing to the failed capture's pool, on its device; a torch
+    that has ended it already (RuntimeError) or whose private binding differs does not turn the fallback into an
+    error."""
+    import kvcanary.program as program
+
+    calls: list[tuple[object, ...]] = []
+
+    def end(*args: object) -> None:
+        calls.append(args)
+        if fails is not None:
+            raise fails("from the binding")
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    program._end_pool_routing(3, (0, 7))
+    assert calls == [(3, (0, 7))]
+
+
 # a failed capture of an eager stage (a sync inside it), then a memory pool torn down, then the interpreter's exit
 _FAILED_CAPTURE_THEN_POOL = textwrap.dedent("""
     import torch
