@@ -80,10 +80,9 @@ inline SlotRowsArgs check_slot_rows_args(DLDeviceType device, const TensorView& 
 constexpr int64_t kSlotFactRows = 5;
 enum SlotFact : int64_t { kFactRow = 0, kFactPrefix = 1, kFactExtend = 2, kFactKv = 3, kFactStart = 4 };
 
-// The five staged rows of a batch from its facts `in` (int64 [3, bs]: rows, prefix lengths, extend lengths): kv =
-// prefix + extend, start = the exclusive prefix sum of kv, written to `out` (row pitch `pitch`; nullptr: only
-// checked). False, with nothing written, when a kv length or a start (the total included) leaves int64.
-inline bool stage_facts(const int64_t* in, int64_t bs, int64_t* out, int64_t pitch) {
+// Whether a batch's facts `in` (int64 [3, bs]: rows, prefix lengths, extend lengths) keep every kv length (prefix +
+// extend) and read start (the total included) within int64.
+inline bool facts_fit(const int64_t* in, int64_t bs) {
   int64_t start = 0;
   for (int64_t i = 0; i < bs; ++i) {
     int64_t kv = 0, next = 0;
@@ -92,8 +91,13 @@ inline bool stage_facts(const int64_t* in, int64_t bs, int64_t* out, int64_t pit
     }
     start = next;
   }
-  if (out == nullptr) return true;
-  start = 0;
+  return true;
+}
+
+// The five staged rows of facts that fit (facts_fit, checked with the arguments): kv = prefix + extend, start = the
+// exclusive prefix sum of kv, written to `out` (row pitch `pitch`).
+inline void stage_facts(const int64_t* in, int64_t bs, int64_t* out, int64_t pitch) {
+  int64_t start = 0;
   for (int64_t i = 0; i < bs; ++i) {
     const int64_t kv = in[bs + i] + in[2 * bs + i];
     for (int64_t r = 0; r < 3; ++r) out[r * pitch + i] = in[r * bs + i];
@@ -101,7 +105,6 @@ inline bool stage_facts(const int64_t* in, int64_t bs, int64_t* out, int64_t pit
     out[kFactStart * pitch + i] = start;
     start += kv;
   }
-  return true;
 }
 
 struct StageSlotRowsArgs {
@@ -134,7 +137,7 @@ inline StageSlotRowsArgs check_stage_slot_rows_args(DLDeviceType device, const T
   TVM_FFI_CHECK(bs <= staging.size(1), ValueError)
       << "staging has " << staging.size(1) << " columns, the batch has " << bs << " requests";
   const auto* in = static_cast<const int64_t*>(facts_in.data_ptr());
-  TVM_FFI_CHECK(stage_facts(in, bs, nullptr, 0), ValueError)
+  TVM_FFI_CHECK(facts_fit(in, bs), ValueError)
       << "stage_slot_rows: a kv length (prefix + extend) or read start leaves int64";
   return StageSlotRowsArgs{check_slot_table_args(device, table, src, out, write, stride, page, bs), in,
                            static_cast<int64_t*>(staging.data_ptr()), static_cast<int64_t*>(facts.data_ptr()),
