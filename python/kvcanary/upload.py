@@ -29,8 +29,8 @@ HeldIds = list[Hashable | None]  # a batch's request ids as their rows hold them
 
 class Held(NamedTuple):
     """A batch whose every request holds its row (:meth:`Upload._held`): its ids as held, its live mask, and its rows
-    and live mask as ``begin_decode`` takes them (converted once per held batch: each numpy array's conversion in a
-    native call costs 0.35-0.7 µs on the CPU box)."""
+    and live mask as ``begin_decode`` takes them (converted once per held batch: the two conversions cost the native
+    call about 0.7 µs on the CPU box, ``gpu/probe_ffi_args.py``)."""
 
     ids: HeldIds
     live: np.ndarray
