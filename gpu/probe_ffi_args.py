@@ -6,7 +6,6 @@ round-robin. Usage: python3 gpu/probe_ffi_args.py [iters] [batch size, default 1
 
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -14,6 +13,7 @@ import tvm_ffi
 from kvcanary.upload import _sources, host_array, host_i64
 
 from bench.bench_runtime import make_config, warmed
+from bench.call_times import round_robin
 
 
 def main() -> None:
@@ -41,14 +41,8 @@ def main() -> None:
              "tvm_ffi.from_dlpack of a torch tensor": lambda: tvm_ffi.from_dlpack(src[1])}
     if cases["begin_decode, numpy host facts (before)"]() != -1:
         raise SystemExit("probe: begin_decode did not decline the batch")
-    times: dict[str, list[int]] = {k: [] for k in cases}
-    for _ in range(iters):
-        for k, fn in cases.items():
-            t = time.perf_counter_ns()
-            fn()
-            times[k].append(time.perf_counter_ns() - t)
-    for k, v in times.items():
-        print(f"bs {bs} {dev.type}: {k:55s} median {statistics.median(v) / 1e3:6.2f} us")
+    for k, v in round_robin(cases, iters).items():
+        print(f"bs {bs} {dev.type}: {k:55s} median {1e6 * statistics.median(v):6.2f} us")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ Usage: python3 gpu/probe_stage_rows.py [iters] [batch size, default 32] [positio
 
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -14,6 +13,8 @@ import torch
 import tvm_ffi
 from kvcanary import _native
 from kvcanary.ops.slot_rows import SlotRowStager
+
+from bench.call_times import round_robin
 
 
 def main() -> None:
@@ -56,14 +57,7 @@ def main() -> None:
         "np.array of the facts": lambda: np.array((rows, pre, ext), dtype=np.int64),
         "before: put + slot_rows": before,
     }
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for i in range(n):
-        for name, fn in calls.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-        if i % 16 == 15:
-            torch.cuda.synchronize()
+    times = round_robin(calls, n, lambda i: torch.cuda.synchronize() if i % 16 == 15 else None)
     torch.cuda.synchronize()
     print(f"bs {bs}, {per} positions per request, {n} rounds")
     for name, ts in times.items():
