@@ -1,7 +1,8 @@
-// CUDA slot-row fill (docs/ops-contract.md 12; 12a stages its row facts from the host first): one launch. Block
-// b < bs fills request b's row (its threads stride over the positions) from the first position no later request naming
-// the same row reaches, so a row named twice ends as the CPU's in-order loop leaves it; the blocks after them convert
-// the write slots, kSlotRowsThreads each; a grid smaller than that strides over the same work.
+// CUDA slot-row fill (docs/ops-contract.md 12; 12a stages its row facts from the host first, or passes a small batch's
+// in the launch): one launch. Block b < bs fills request b's row (its threads stride over the positions) from the
+// first position no later request naming the same row reaches, so a row named twice ends as the CPU's in-order loop
+// leaves it; the blocks after them convert the write slots, kSlotRowsThreads each; a grid smaller than that strides
+// over the same work.
 #include <tvm/ffi/function.h>
 
 #include <algorithm>
@@ -26,10 +27,9 @@ struct SlotRowsParams {
   int64_t jobs;  // bs row jobs, then the write slots' chunks
 };
 
-// `later`: the most positions a later request naming this block's row fills.
-__global__ void __launch_bounds__(kSlotRowsThreads) slot_rows_kernel(const SlotRowsParams p) {
+// The fill's jobs, by the calling block. `later`: the most positions a later request naming this block's row fills.
+__device__ __forceinline__ void slot_rows_jobs(const SlotRowsParams& p) {
   __shared__ unsigned long long later;
-  await_prior_kernels();
   const SlotRowsArgs& a = p.a;
   for (int64_t b = blockIdx.x; b < p.jobs; b += gridDim.x) {
     if (b < a.bs) {  // block-uniform branch: the barriers below are reached by every thread
@@ -55,18 +55,57 @@ __global__ void __launch_bounds__(kSlotRowsThreads) slot_rows_kernel(const SlotR
   }
 }
 
-// One slot_rows launch on the device's current stream: the row facts at `rows`, `starts`, `lens` (device memory).
-void launch_slot_rows(const TensorView& table, const int64_t* rows, const int64_t* starts, const int64_t* lens,
-                      const TensorView& src, const TensorView& out, const TensorView& write, const SlotRowsArgs& a,
-                      cudaStream_t stream) {
-  const int64_t jobs = a.bs + ceil_div(a.n, kSlotRowsThreads);
-  if (jobs == 0) return;
-  const int device_id = table.device().device_id;
-  const SlotRowsParams p{table.data_ptr(), is_i32(table), rows, starts, lens, IndexVec{src.data_ptr(), is_i32(src)},
-                         IndexVec{write.data_ptr(), is_i32(write)}, static_cast<int64_t*>(out.data_ptr()), a, jobs};
-  const int64_t max_blocks = 8 * static_cast<int64_t>(sm_count(device_id));
-  launch_kernel(slot_rows_kernel, static_cast<unsigned>(std::min(jobs, max_blocks)), kSlotRowsThreads, stream,
-                device_id, p);
+__global__ void __launch_bounds__(kSlotRowsThreads) slot_rows_kernel(const SlotRowsParams p) {
+  await_prior_kernels();
+  slot_rows_jobs(p);
+}
+
+// The staged fact rows of a batch of at most STAGE_INLINE_ROWS requests, passed by value in the launch
+// (docs/ops-contract.md 12a): the host then writes no memory that a copy still in flight may read.
+struct InlineFacts {
+  int64_t v[kSlotFactRows][STAGE_INLINE_ROWS];
+};
+
+// The fill reading its row facts from the launch's parameter space (__grid_constant__: addressable, not copied), which
+// also writes them into the device facts (row pitch `width`) for the work queued after it.
+__global__ void __launch_bounds__(kSlotRowsThreads)
+    slot_rows_inline_kernel(SlotRowsParams p, const __grid_constant__ InlineFacts f, int64_t* facts, int64_t width) {
+  await_prior_kernels();
+  const int64_t bs = p.a.bs;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kSlotRowsThreads + threadIdx.x; i < kSlotFactRows * bs;
+       i += static_cast<int64_t>(gridDim.x) * kSlotRowsThreads) {
+    facts[(i / bs) * width + i % bs] = f.v[i / bs][i % bs];
+  }
+  p.rows = f.v[kFactRow];
+  p.starts = f.v[kFactStart];
+  p.lens = f.v[kFactKv];
+  slot_rows_jobs(p);
+}
+
+// A fill's parameters: the row facts at `rows`, `starts`, `lens` (device memory, or set by the inline kernel).
+SlotRowsParams slot_rows_params(const TensorView& table, const int64_t* rows, const int64_t* starts,
+                                const int64_t* lens, const TensorView& src, const TensorView& out,
+                                const TensorView& write, const SlotRowsArgs& a) {
+  return SlotRowsParams{table.data_ptr(), is_i32(table), rows, starts, lens, IndexVec{src.data_ptr(), is_i32(src)},
+                        IndexVec{write.data_ptr(), is_i32(write)}, static_cast<int64_t*>(out.data_ptr()), a,
+                        a.bs + ceil_div(a.n, kSlotRowsThreads)};
+}
+
+// The fill's grid: its jobs, at most 8 blocks per SM (they stride over the rest).
+unsigned slot_rows_grid(const SlotRowsParams& p, int device_id) {
+  return static_cast<unsigned>(std::min(p.jobs, 8 * static_cast<int64_t>(sm_count(device_id))));
+}
+
+// One slot_rows launch on `stream` (nothing for no jobs).
+void launch_slot_rows(const SlotRowsParams& p, int device_id, cudaStream_t stream) {
+  if (p.jobs > 0) launch_kernel(slot_rows_kernel, slot_rows_grid(p, device_id), kSlotRowsThreads, stream, device_id, p);
+}
+
+// Whether `stream` is capturing a graph (a launch's parameters would then be fixed for every replay).
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TVM_FFI_CHECK_CUDA_ERROR(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
 }
 
 }  // namespace
@@ -74,36 +113,50 @@ void launch_slot_rows(const TensorView& table, const int64_t* rows, const int64_
 void slot_rows(TensorView table, TensorView rows, TensorView starts, TensorView lens, TensorView src, TensorView out,
                TensorView write, int64_t stride, int64_t page) {
   const SlotRowsArgs a = check_slot_rows_args(kDLCUDA, table, rows, starts, lens, src, out, write, stride, page);
-  tvm::ffi::CUDADeviceGuard guard(table.device().device_id);
-  launch_slot_rows(table, static_cast<const int64_t*>(rows.data_ptr()), static_cast<const int64_t*>(starts.data_ptr()),
-                   static_cast<const int64_t*>(lens.data_ptr()), src, out, write, a, stream_of(table.device()));
+  const int device_id = table.device().device_id;
+  tvm::ffi::CUDADeviceGuard guard(device_id);
+  launch_slot_rows(slot_rows_params(table, static_cast<const int64_t*>(rows.data_ptr()),
+                                    static_cast<const int64_t*>(starts.data_ptr()),
+                                    static_cast<const int64_t*>(lens.data_ptr()), src, out, write, a),
+                   device_id, stream_of(table.device()));
 }
 
-// docs/ops-contract.md 12a: the five fact rows into the pinned staging on the host, one copy of their first bs columns
-// to the device, the slot_rows launch on them. `event` (a cudaEvent_t as int64, 0: none) guards the staging: awaited
-// before the host writes it, recorded after the copy that reads it.
+// docs/ops-contract.md 12a: a batch of at most STAGE_INLINE_ROWS requests, outside a capture, passes its five fact rows
+// in the fill's launch (staging untouched, the event unused); any other writes them into the pinned staging on the
+// host, copies their first bs columns to the device and launches the fill on them. `event` (a cudaEvent_t as int64, 0:
+// none) guards the staging: awaited before the host writes it, recorded after the copy that reads it.
 void stage_slot_rows(TensorView table, TensorView facts_in, TensorView staging, TensorView facts, TensorView src,
                      TensorView out, TensorView write, int64_t stride, int64_t page, int64_t event) {
   const StageSlotRowsArgs s =
       check_stage_slot_rows_args(kDLCUDA, table, facts_in, staging, facts, src, out, write, stride, page);
   const DLDevice dev = table.device();
-  // pageable staging would make the copy synchronous: the same pinned rule as begin_decode's (an error before any
-  // write); an empty one has no memory to pin
-  if (s.width > 0) (void)mapped_host(s.staging, "staging", dev.device_id);
   tvm::ffi::CUDADeviceGuard guard(dev.device_id);
   const cudaStream_t stream = stream_of(dev);
+  const int64_t bs = s.a.bs, w = s.width;
+  if (bs <= STAGE_INLINE_ROWS && !capturing(stream)) {
+    InlineFacts f;
+    stage_facts(s.in, bs, &f.v[0][0], STAGE_INLINE_ROWS);
+    const SlotRowsParams p = slot_rows_params(table, nullptr, nullptr, nullptr, src, out, write, s.a);
+    if (p.jobs > 0) {
+      launch_kernel(slot_rows_inline_kernel, slot_rows_grid(p, dev.device_id), kSlotRowsThreads, stream,
+                    dev.device_id, p, f, s.facts, w);
+    }
+    return;
+  }
+  // pageable staging would make the copy synchronous: an error before any write (an empty one has no memory to pin)
+  if (w > 0) (void)mapped_host(s.staging, "staging", dev.device_id);
   const auto guard_event = reinterpret_cast<cudaEvent_t>(event);
   if (guard_event != nullptr) TVM_FFI_CHECK_CUDA_ERROR(cudaEventSynchronize(guard_event));  // the last copy has run
-  const int64_t bs = s.a.bs, pitch = s.width * static_cast<int64_t>(sizeof(int64_t));
-  stage_facts(s.in, bs, s.staging, s.width);
+  const int64_t pitch = w * static_cast<int64_t>(sizeof(int64_t));
+  stage_facts(s.in, bs, s.staging, w);
   if (bs > 0) {
     TVM_FFI_CHECK_CUDA_ERROR(cudaMemcpy2DAsync(s.facts, pitch, s.staging, pitch, bs * sizeof(int64_t), kSlotFactRows,
                                                cudaMemcpyHostToDevice, stream));
   }
   if (guard_event != nullptr) TVM_FFI_CHECK_CUDA_ERROR(cudaEventRecord(guard_event, stream));
-  const int64_t w = s.width;
-  launch_slot_rows(table, s.facts + kFactRow * w, s.facts + kFactStart * w, s.facts + kFactKv * w, src, out, write,
-                   s.a, stream);
+  launch_slot_rows(slot_rows_params(table, s.facts + kFactRow * w, s.facts + kFactStart * w, s.facts + kFactKv * w,
+                                    src, out, write, s.a),
+                   dev.device_id, stream);
 }
 
 }  // namespace cuda

@@ -25,6 +25,7 @@ from kvcanary_schema import (
     NUM_PLAN_COLS,
     NUM_PLAN_STATUS_COLS,
     RECORD_NUM_FIELDS,
+    STAGE_INLINE_ROWS,
     FingerprintMode,
     PlanStatusCol,
     Stage,
@@ -124,7 +125,9 @@ def main() -> None:
         ids = torch.randint(-9, slots + 9, (rng.randint(0, 3000),), dtype=rng.choice([torch.int32, torch.int64]))
         invalidate(rec, ids if seed % 2 else ids.to(dev), rng.randint(0, slots), dev)
         # slot-row fill: rows outside the table, segments leaving src, negative lengths and slots
-        bs, width = rng.randint(0, 9), rng.randint(1, 50)
+        # batches on both sides of the CUDA stage_slot_rows' facts in the launch (at most STAGE_INLINE_ROWS)
+        bs = rng.randint(0, 9) if seed % 2 else rng.randint(STAGE_INLINE_ROWS - 3, STAGE_INLINE_ROWS + 6)
+        width = rng.randint(1, 50)
         m = rng.randint(0, 300)
         slot_rows(torch.zeros(rng.randint(1, 6), width, dtype=rng.choice([torch.int32, torch.int64]), device=dev),
                   *(torch.randint(lo, hi, (bs,), device=dev) for lo, hi in ((-3, 9), (-5, m + 5), (-5, 80))),

@@ -788,10 +788,35 @@ def test_stage_slot_rows_matches(seed: int) -> None:
                 "src": torch.randint(-3, 10**6, (int(kv.sum()),), generator=g),
                 "out": torch.zeros(5000, dtype=torch.int64), "write": torch.randint(-3, 10**6, (5000,), generator=g),
                 "stride": 7, "page": 4}
+    _check_stage_rows(case, seed)
+
+
+def _check_stage_rows(case: dict[str, Any], what: object) -> None:
+    """The CUDA op and the torch backend on CUDA against the CPU op. A CUDA batch of at most STAGE_INLINE_ROWS requests
+    passes its facts in the launch: the staging stays as it was."""
     want = _stage_rows_on(case, "cpu", "cpu")
+    inline = case["facts_in"].shape[1] <= STAGE_INLINE_ROWS
     for backend in ("cuda", "torch"):
         got = _stage_rows_on(case, CUDA, backend)
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (seed, backend)
+        if backend == "cuda" and inline:
+            want = (*want[:2], case["staging"], want[3])
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (what, backend)
+
+
+@pytest.mark.parametrize("bs", [0, 1, STAGE_INLINE_ROWS - 1, STAGE_INLINE_ROWS, STAGE_INLINE_ROWS + 1])
+def test_stage_slot_rows_at_the_inline_bound(bs: int) -> None:
+    """Batches on both sides of STAGE_INLINE_ROWS (facts in the launch, or copied from the staging), a row named
+    twice, rows outside the table, staging wider than the batch: the CUDA op equals the CPU op."""
+    g = torch.Generator().manual_seed(bs)
+    rows = torch.randint(-1, 40, (bs,), generator=g)
+    pre, ext = torch.randint(0, 30, (bs,), generator=g), torch.randint(0, 5, (bs,), generator=g)
+    m = int((pre + ext).sum())
+    case = {"table": torch.full((36, 40), -7, dtype=torch.int32), "facts_in": torch.stack([rows, pre, ext]).numpy(),
+            "staging": torch.full((5, bs + 3), -5, dtype=torch.int64), "facts": torch.full((5, bs + 3), -6,
+                                                                                         dtype=torch.int64),
+            "src": torch.randint(-3, 10**5, (m,), generator=g), "out": torch.zeros(9, dtype=torch.int64),
+            "write": torch.randint(-3, 10**5, (9,), generator=g), "stride": 7, "page": 4}
+    _check_stage_rows(case, bs)
 
 
 def test_stage_slot_rows_replays_in_a_graph() -> None:
@@ -829,36 +854,47 @@ def test_stage_slot_rows_replays_in_a_graph() -> None:
         assert torch.equal(dev_facts[:, :3].cpu(), host[:, :3]), seed
 
 
-def test_stager_waits_for_the_pending_copy() -> None:
-    """A stager call queued behind a long kernel, its facts read on the stream, then the next call: its host write
-    must wait for the first call's copy (the event), so the first read still sees the first call's facts."""
-    table = torch.zeros(4, 8, dtype=torch.int64, device=CUDA)
-    stager = SlotRowStager(table, 4, 4, 4, "cuda")
-    src, none = torch.arange(20, device=CUDA), torch.zeros(0, dtype=torch.int64, device=CUDA)
-    torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # the copy below waits behind it
-    first = [v.clone() for v in stager(np.array([[1, 2], [3, 4], [1, 1]], dtype=np.int64), src, none, none)]
-    second = [v.clone() for v in stager(np.array([[0, 3], [0, 0], [5, 6]], dtype=np.int64), src, none, none)]
-    assert [v.tolist() for v in first] == [[1, 2], [3, 4], [1, 1]]
-    assert [v.tolist() for v in second] == [[0, 3], [0, 0], [5, 6]]
-    assert table[0, :5].tolist() == [0, 1, 2, 3, 4] and table[3, :6].tolist() == [5, 6, 7, 8, 9, 10]
-    assert table[1, :4].tolist() == [0, 1, 2, 3] and table[2, :5].tolist() == [4, 5, 6, 7, 8]  # the first's rows
+@pytest.mark.parametrize("bs", [2, STAGE_INLINE_ROWS + 2])
+def test_stager_waits_for_the_pending_copy(bs: int) -> None:
+    """Stager calls queued behind a long kernel, each one's device facts read on the stream before the next call: a
+    staged batch's host write must wait for the last call's copy (the event), a batch whose facts travel in the launch
+    writes no staging; either way each read sees its own call's facts and the table ends with the last call's rows."""
+    table = torch.zeros(2 * bs, 8, dtype=torch.int64, device=CUDA)
+    stager = SlotRowStager(table, 4, 4, 2 * bs, "cuda")
+    src, none = torch.arange(8 * bs, device=CUDA), torch.zeros(0, dtype=torch.int64, device=CUDA)
+    facts = [np.array([list(range(k, 2 * bs, 2)), [k] * bs, [1 + k] * bs], dtype=np.int64) for k in (0, 1, 0)]
+    torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # the calls below wait behind it
+    seen = [[v.clone() for v in stager(f, src, none, none)] for f in facts]
+    for f, got in zip(facts, seen, strict=True):
+        assert [v.tolist() for v in got] == f.tolist()
+    want = torch.zeros_like(table)
+    for f in facts:
+        slot_rows(want, *(torch.tensor(r, device=CUDA) for r in
+                          (f[0], np.cumsum(f[1] + f[2]) - (f[1] + f[2]), f[1] + f[2])), src, none, none, 4, 4)
+    assert torch.equal(table, want)
 
 
 def test_stage_slot_rows_bad_input_raises_before_any_launch() -> None:
-    """Pageable staging (a copy the host would wait for) and a non-pinned staging with an event are input errors on
-    CUDA, as the CPU module's checks; nothing is written."""
+    """Pageable staging for a batch that is copied from it (more than STAGE_INLINE_ROWS requests: a copy the host would
+    wait for), facts off the device, staging on it, int32 facts and narrow facts are input errors on CUDA, as the CPU
+    module's checks; nothing is written. A batch whose facts travel in the launch needs no pinned staging."""
+    bs = STAGE_INLINE_ROWS + 1
     table, out = torch.zeros(2, 3, dtype=torch.int64, device=CUDA), torch.zeros(2, dtype=torch.int64, device=CUDA)
-    src, write = torch.zeros(2, dtype=torch.int64, device=CUDA), torch.zeros(2, dtype=torch.int64, device=CUDA)
-    facts_in = np.array([[0], [0], [2]], dtype=np.int64)
-    pinned, dev_facts = torch.zeros(5, 2, dtype=torch.int64).pin_memory(), torch.zeros(5, 2, dtype=torch.int64,
-                                                                                       device=CUDA)
-    for args in ((table, facts_in, torch.zeros(5, 2, dtype=torch.int64), dev_facts),
+    src, write = torch.zeros(2 * bs, dtype=torch.int64, device=CUDA), torch.zeros(2, dtype=torch.int64, device=CUDA)
+    facts_in = np.array([[0] * bs, [0] * bs, [2] * bs], dtype=np.int64)
+    pinned = torch.zeros(5, bs, dtype=torch.int64).pin_memory()
+    dev_facts = torch.zeros(5, bs, dtype=torch.int64, device=CUDA)
+    for args in ((table, facts_in, torch.zeros(5, bs, dtype=torch.int64), dev_facts),
                  (table, facts_in, pinned, dev_facts.cpu()), (table, facts_in, pinned.to(CUDA), dev_facts),
                  (table, facts_in.astype(np.int32), pinned, dev_facts), (table, facts_in, pinned, dev_facts[:, :1])):
         with pytest.raises(CanaryInputError):
             stage_slot_rows(*args, src, out, write, 4, 2, backend="cuda")
     torch.cuda.synchronize()
     assert not table.any() and not out.any() and not dev_facts.any() and not pinned.any()
+    pageable, one = torch.zeros(5, 1, dtype=torch.int64), torch.zeros(5, 1, dtype=torch.int64, device=CUDA)
+    src[:2] = torch.tensor([4, 5])
+    stage_slot_rows(table, facts_in[:, :1].copy(), pageable, one, src, out, write, 4, 2, backend="cuda")
+    assert table[0].tolist() == [2, 3, 0] and one[:, 0].tolist() == [0, 0, 2, 2, 0] and not pageable.any()
 
 
 # ---- stage_window ------------------------------------------------------------------------------------------------

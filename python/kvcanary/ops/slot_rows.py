@@ -90,8 +90,9 @@ def stage_slot_rows(table: torch.Tensor, facts_in: np.ndarray, staging: torch.Te
     (prefix + extend) and read starts (the exclusive prefix sums of the kv lengths); then ``slot_rows(table, rows,
     starts, kv, src, out, write, stride, page)``. ``event``: CUDA backend, a live ``cudaEvent_t`` of the table's
     device as an int (0: none) guarding ``staging``: awaited before it is written, recorded after the copy that reads
-    it. Bad input (12's, the facts' shapes, a sum outside int64, a non-zero event off CUDA) raises CanaryInputError
-    before anything is written.
+    it. The CUDA backend passes a batch of at most ``STAGE_INLINE_ROWS`` requests in the launch instead (outside a
+    capture): ``staging`` and ``event`` are then untouched. Bad input (12's, the facts' shapes, a sum outside int64, a
+    non-zero event off CUDA) raises CanaryInputError before anything is written.
     """
     tbl, stride, page, b = _checked_table(table, stride, page, backend)
     args = (*_checked_facts(tbl, facts_in, staging, facts), *_checked_slots(tbl, src, out, write))
