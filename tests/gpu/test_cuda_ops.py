@@ -798,9 +798,8 @@ def _check_stage_rows(case: dict[str, Any], what: object) -> None:
     inline = case["facts_in"].shape[1] <= STAGE_INLINE_ROWS
     for backend in ("cuda", "torch"):
         got = _stage_rows_on(case, CUDA, backend)
-        if backend == "cuda" and inline:
-            want = (*want[:2], case["staging"], want[3])
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (what, backend)
+        expect = (*want[:2], case["staging"], want[3]) if backend == "cuda" and inline else want
+        assert all(torch.equal(a, b) for a, b in zip(got, expect, strict=True)), (what, backend)
 
 
 @pytest.mark.parametrize("bs", [0, 1, STAGE_INLINE_ROWS - 1, STAGE_INLINE_ROWS, STAGE_INLINE_ROWS + 1])
