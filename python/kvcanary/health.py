@@ -43,15 +43,10 @@ class Coverage:
         self.live[request] = prefix_len
         self.verified[request] = min(prefix_len, self.verified.get(request, 0) + newly_verified)
 
-    def live_slots(self) -> int:
-        """Live prefix slots of the window."""
-        return sum(self.live.values()) + self._whole()
-
-    def fraction(self) -> float:
-        """Fraction of live slots verified at least once in the window (1.0 when nothing is live)."""
+    def totals(self) -> tuple[int, int]:
+        """(live prefix slots, those verified at least once) of the window."""
         whole = self._whole()
-        live = sum(self.live.values()) + whole
-        return 1.0 if live == 0 else (sum(self.verified.values()) + whole) / live
+        return sum(self.live.values()) + whole, sum(self.verified.values()) + whole
 
     def next_window(self, step: int) -> Coverage:
         """An empty window after forward ``step``."""
@@ -65,11 +60,11 @@ class Health:
     """Compares staged device counters with what the host launched; tracks coverage for the stats line."""
 
     def __init__(self, stats_interval: int, watchdog: bool = True) -> None:
-        self._expected = np.zeros((NUM_LAUNCH_TAGS, 2), dtype=np.int64)  # [tag, (VERIFY_RUNS, WRITE_RUNS)]
         self.expected_forwards = 0
-        # per forward variant (:meth:`add_variant`): its launch table and the forwards not yet folded into _expected
-        self._variants: list[np.ndarray] = []
-        self._unfolded: list[int] = []
+        # per registered variant (:meth:`add_variant`): its launch table as one row of _tables ([variants, tags * 2]),
+        # and how many times it ran (Python ints: a forward adds one, no array work until a window is checked)
+        self._tables = np.zeros((0, NUM_LAUNCH_TAGS * 2), dtype=np.int64)
+        self._runs: list[int] = []
         self.stats_interval = stats_interval
         self.watchdog = watchdog
         self.coverage = Coverage()
@@ -78,41 +73,41 @@ class Health:
         self.last_stats_line: str | None = None
         self._stats_step = 0  # last step of the window that printed the last stats line
 
-    @property
-    def expected(self) -> np.ndarray:
-        """[NUM_LAUNCH_TAGS, 2]: the (verify, write) launches expected so far, every counted forward included."""
-        for v, n in enumerate(self._unfolded):
-            if n:
-                self._expected += self._variants[v] * n
-                self._unfolded[v] = 0
-        return self._expected
+    def runs(self) -> tuple[int, ...]:
+        """How many times each registered variant ran so far (what :meth:`expected_of` turns into launches)."""
+        return tuple(self._runs)
+
+    def expected_of(self, runs: tuple[int, ...]) -> np.ndarray:
+        """[NUM_LAUNCH_TAGS, 2]: the (verify, write) launches of the registered variants run ``runs`` times each."""
+        return (np.array(runs, dtype=np.int64) @ self._tables[:len(runs)]).reshape(NUM_LAUNCH_TAGS, 2)
 
     def add_variant(self, runs: np.ndarray) -> int:
         """Register a [NUM_LAUNCH_TAGS, 2] table of (verify, write) launches the host issues together (one forward's,
         one sweep chunk's); returns its variant id for :meth:`expect_forward` and :meth:`expect_runs`."""
-        self._variants.append(runs)
-        self._unfolded.append(0)
-        return len(self._variants) - 1
+        self._tables = np.concatenate([self._tables, np.asarray(runs, dtype=np.int64).reshape(1, -1)])
+        self._runs.append(0)
+        return len(self._runs) - 1
 
     def expect_runs(self, variant: int, times: int = 1) -> None:
-        """A registered variant's launches ran ``times`` times (its table is added when :attr:`expected` is read)."""
-        self._unfolded[variant] += times
+        """A registered variant's launches ran ``times`` times."""
+        self._runs[variant] += times
 
     def expect_forward(self, variant: int) -> None:
         """One forward of a registered variant ran."""
-        self._unfolded[variant] += 1
+        self._runs[variant] += 1
         self.expected_forwards += 1
 
     def check(self, counters: np.ndarray, phase: np.ndarray, plan_status: np.ndarray, dropped: int, capacity: int,
-              expected: np.ndarray, expected_forwards: int) -> list[HealthProblem]:
-        """Check one staged snapshot (host int64 arrays) against the expectations at staging time."""
+              runs: tuple[int, ...], expected_forwards: int) -> list[HealthProblem]:
+        """Check one staged snapshot (host int64 arrays) against the expectations at staging time (``runs``: the
+        variants' run counts then, from :meth:`runs`)."""
         found: list[HealthProblem] = []
         if self.watchdog:
-            found += _watchdog(counters, expected) + _phase(phase, expected_forwards)
-        if plan_status[:, PlanStatusCol.OVERFLOW].max() > 0:
+            found += _watchdog(counters, self.expected_of(runs)) + _phase(phase, expected_forwards)
+        overflow, errs = plan_status[:, [PlanStatusCol.OVERFLOW, PlanStatusCol.INPUT_ERRORS]].max(0).tolist()
+        if overflow > 0:
             found.append(HealthProblem("overflow", (
                 "kvcanary: a batch claimed more tokens than it has (plan OVERFLOW); those requests were not checked")))
-        errs = int(plan_status[:, PlanStatusCol.INPUT_ERRORS].max())
         if errs:
             found.append(HealthProblem("input_errors", f"kvcanary: {errs} request(s) with out-of-range batch values "
                                                        "were skipped by the plan"))
@@ -123,37 +118,38 @@ class Health:
         self.problems.extend(found)
         return found
 
-    def stats(self, step: int, counters: np.ndarray, sweeps_completed: int, violations_total: int) -> str | None:
-        """The periodic stats line (coverage over the window, not a running sum), or None when not due: due for the
-        first reporting window that ends at or past each multiple of ``stats_interval`` (windows of several forwards
-        rarely end on one)."""
+    def window(self, step: int, counters: np.ndarray, sweeps_completed: int,
+               violations_total: int) -> tuple[float, str | None]:
+        """A collected window ending at forward ``step``: the fraction of live slots verified at least once so far in
+        the stats window (1.0 when nothing is live), and the periodic stats line (coverage over the stats window, not
+        a running sum), or None when not due: due for the first reporting window that ends at or past each multiple
+        of ``stats_interval`` (windows of several forwards rarely end on one)."""
+        live, verified = self.coverage.totals()
+        fraction = 1.0 if live == 0 else verified / live
         iv = self.stats_interval
         if iv == 0 or step // iv == self._stats_step // iv:
-            return None
+            return fraction, None
         self._stats_step = step
         delta = counters - self.stats_counters
         self.stats_counters = counters.copy()
-        checked = int(delta[:, CounterCol.ENTRIES_CHECKED].sum())
-        written = int(delta[:, CounterCol.ENTRIES_WRITTEN].sum())
-        active = int((delta[:, CounterCol.VERIFY_RUNS] + delta[:, CounterCol.WRITE_RUNS] > 0).sum())
-        line = (f"kvcanary stats: step={step} coverage={self.coverage.fraction():.3f} "
-                f"live_slots={self.coverage.live_slots()} checked={checked} written={written} "
-                f"violations={int(delta[:, CounterCol.VIOLATIONS].sum())} (total {violations_total}) "
-                f"input_errors={int(delta[:, CounterCol.INPUT_ERRORS].sum())} "
-                f"skipped={int(delta[:, CounterCol.SKIPPED].sum())} sweeps_completed={sweeps_completed} "
-                f"tags_active={active}/{NUM_LAUNCH_TAGS}")
+        sums = delta.sum(0).tolist()
+        active = int(np.count_nonzero(delta[:, CounterCol.VERIFY_RUNS] + delta[:, CounterCol.WRITE_RUNS] > 0))
+        line = (f"kvcanary stats: step={step} coverage={fraction:.3f} live_slots={live} "
+                f"checked={sums[CounterCol.ENTRIES_CHECKED]} written={sums[CounterCol.ENTRIES_WRITTEN]} "
+                f"violations={sums[CounterCol.VIOLATIONS]} (total {violations_total}) "
+                f"input_errors={sums[CounterCol.INPUT_ERRORS]} skipped={sums[CounterCol.SKIPPED]} "
+                f"sweeps_completed={sweeps_completed} tags_active={active}/{NUM_LAUNCH_TAGS}")
         self.coverage = self.coverage.next_window(step)
         self.last_stats_line = line
-        return line
+        return fraction, line
 
 
 def _watchdog(counters: np.ndarray, expected: np.ndarray) -> list[HealthProblem]:
-    behind = (counters[:, CounterCol.VERIFY_RUNS] < expected[:, 0]) | \
-        (counters[:, CounterCol.WRITE_RUNS] < expected[:, 1])
+    runs = counters[:, [CounterCol.VERIFY_RUNS, CounterCol.WRITE_RUNS]]
+    behind = runs < expected
     if not behind.any():
         return []
-    runs = counters[:, [CounterCol.VERIFY_RUNS, CounterCol.WRITE_RUNS]]
-    short = np.flatnonzero(behind).tolist()
+    short = np.flatnonzero(behind.any(1)).tolist()
     names = [LaunchTag(t).name for t in short]
     return [HealthProblem("watchdog", (
         f"kvcanary: kernel runs behind for tags {names}: device verify/write runs "

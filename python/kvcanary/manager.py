@@ -392,9 +392,8 @@ class CanaryManager:
         m.counters["sweep_slices"] = self.sweeper.slices
         m.counters["health_problems"] = len(self.health.problems)
         m.counters["perturbations"] = len(self.perturber.events)
-        m.gauges["coverage"] = self.health.coverage.fraction()
-        line = self.health.stats(report.last_step, snap.counters, self.sweeper.completed,
-                                 self.reporter.violations_total)
+        m.gauges["coverage"], line = self.health.window(report.last_step, snap.counters, self.sweeper.completed,
+                                                        self.reporter.violations_total)
         if line:
             logger.info(line)
 

@@ -40,7 +40,7 @@ class _Pending:
     tag: int
     first_step: int
     last_step: int
-    expected: np.ndarray
+    runs: tuple[int, ...]  # the health variants' run counts at staging (Health.runs)
     expected_forwards: int
     sweeps: int
 
@@ -123,7 +123,7 @@ class Reporter:
         self.stagings += 1
         tag = self.stagings  # fresh per staging: a buffer's old tag never reads as arrived
         self._stager(k, tag)  # in stream order: the snapshot is read before the reset
-        self.pending.append(_Pending(k, tag, self.window_first, forwards, self.health.expected.copy(),
+        self.pending.append(_Pending(k, tag, self.window_first, forwards, self.health.runs(),
                                      self.health.expected_forwards, self.sweeps_staged))
         self.sweeps_staged = 0
         self.window_first = forwards + 1
@@ -171,7 +171,7 @@ class Reporter:
                               self._quarantine(rows) if rows else (), self.page_size)
         self._forget(p.first_step, p.last_step)
         problems = self.health.check(snap.counters, snap.phase, snap.plan_status, report.dropped, cfg.ring_capacity,
-                                     p.expected, p.expected_forwards)
+                                     p.runs, p.expected_forwards)
         if self.on_report is not None:
             self.on_report(report, snap, p.sweeps)
         self.reports.append(report)

@@ -6,11 +6,12 @@ import logging
 from typing import Any
 
 import kvcanary.program as program_mod
+import numpy as np
 import pytest
 import torch
-from kvcanary.health import CanaryHealthError
+from kvcanary.health import CanaryHealthError, Health
 from kvcanary.manager import CanaryManager
-from kvcanary_schema import Stage
+from kvcanary_schema import NUM_COUNTER_COLS, NUM_LAUNCH_TAGS, NUM_PLAN_STATUS_COLS, CounterCol, Stage
 
 from .helpers import bracket, run, setup, step
 
@@ -107,3 +108,39 @@ def test_stats_line_when_a_window_passes_a_multiple(caplog: pytest.LogCaptureFix
         run(eng, m, 12)
     lines = [r.message for r in caplog.records if r.message.startswith("kvcanary stats:")]
     assert [int(line.split("step=")[1].split()[0]) for line in lines] == [8, 12]
+
+
+def test_window_stats_line_and_watchdog_by_hand() -> None:
+    """Health alone on hand-made counters: the stats line's sums over the stats window, its coverage, and the watchdog
+    against the registered variants' launches times their run counts."""
+    h = Health(stats_interval=10)
+    one, two = np.zeros((NUM_LAUNCH_TAGS, 2), dtype=np.int64), np.zeros((NUM_LAUNCH_TAGS, 2), dtype=np.int64)
+    one[0] = (1, 1)
+    two[0, 0], two[3, 1] = 2, 1
+    v1, v2 = h.add_variant(one), h.add_variant(two)
+    for _ in range(3):
+        h.expect_forward(v1)
+    h.expect_runs(v2, 2)
+    runs = h.runs()
+    assert runs == (3, 2) and h.expected_of(runs)[[0, 3]].tolist() == [[7, 3], [0, 2]]
+    counters = np.zeros((NUM_LAUNCH_TAGS, NUM_COUNTER_COLS), dtype=np.int64)
+    counters[0, [CounterCol.VERIFY_RUNS, CounterCol.WRITE_RUNS]] = (7, 3)
+    counters[3, CounterCol.WRITE_RUNS] = 2
+    counters[0, CounterCol.ENTRIES_CHECKED:] = (11, 5, 1, 2, 4)
+    counters[3, CounterCol.ENTRIES_CHECKED:] = (20, 0, 0, 1, 0)
+    phase, plan = np.array([3, 3]), np.zeros((1, NUM_PLAN_STATUS_COLS), dtype=np.int64)
+    assert h.check(counters, phase, plan, 0, 8, runs, 3) == []
+    counters[3, CounterCol.WRITE_RUNS] = 1
+    found = h.check(counters, phase, plan, 0, 8, runs, 3)
+    assert [p.kind for p in found] == ["watchdog"] and "[[0, 1]] < launched [[0, 2]]" in found[0].message
+    h.coverage.observe("a", 8, 6)
+    h.coverage.observe("b", 4, 3)
+    assert h.window(9, counters, 0, 0) == (0.75, None)  # not due before step 10
+    frac, line = h.window(12, counters, 2, 5)
+    assert frac == 0.75 and line == (f"kvcanary stats: step=12 coverage=0.750 live_slots=12 checked=31 written=5 "
+                                     f"violations=1 (total 5) input_errors=3 skipped=4 sweeps_completed=2 "
+                                     f"tags_active=2/{NUM_LAUNCH_TAGS}")
+    counters[0, CounterCol.ENTRIES_CHECKED] += 4
+    assert h.window(20, counters, 2, 5)[1] == (f"kvcanary stats: step=20 coverage=1.000 live_slots=0 checked=4 "
+                                               "written=0 violations=0 (total 5) input_errors=0 skipped=0 "
+                                               f"sweeps_completed=2 tags_active=0/{NUM_LAUNCH_TAGS}")
