@@ -3,14 +3,18 @@ of a random Llama): the adapter's batch view, begin_forward, pre_forward, post_f
 end_forward the rolling sweep's slice (_roll: the export, its derive when new, the slice's launches), each timed
 around its call (no sync: host time; SYNC=1: the device synchronized before each, untimed, so a part's time is its own
 work, not a wait for earlier queued work; NEW=n: n new tokens per request, default 33; DEEP=1: the slice's and the
-batch view's own parts, the eager graphs' launches, the write check and the per-layer KV-write hook too). Each part is
-reported separately for the decode steps (the benchmark's) and the mixed ones (prefill chunks).
-Usage: [SYNC=1] [NEW=n] [DEEP=1] python3 gpu/probe_tf_parts.py [cuda|cpu] [1b|tiny] [batch] [prompt]"""
+batch view's own parts, the eager graphs' launches, the write check and the per-layer KV-write hook too; CALLS=1: at
+the start of every batch view, one call of each kind a canary step is made of, timed alone inside the step: a Python
+call, a tvm-ffi call into the CPU module, and on CUDA a current-device query, an event record, a torch kernel launch
+and a tvm-ffi CUDA launch, so a part's in-step time can be split into calls of each kind). Each part is reported
+separately for the decode steps (the benchmark's) and the mixed ones (prefill chunks).
+Usage: [SYNC=1] [NEW=n] [DEEP=1] [CALLS=1] python3 gpu/probe_tf_parts.py [cuda|cpu] [1b|tiny] [batch] [prompt]"""
 
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import kvcanary.adapter as ad
 import kvcanary.hostcopy as hc
@@ -21,6 +25,7 @@ import kvcanary.program as pg
 import kvcanary.sweep as sw
 import kvcanary.upload as up
 import torch
+from kvcanary import _native
 
 from bench.bench_transformers import LLAMA_1B, LLAMA_TINY, StepTimer, build_model, installed, prompts, run_once
 from bench.call_times import time_calls
@@ -52,6 +57,41 @@ def kind_view(self, io, batch):  # type: ignore[no-untyped-def]
 
 
 kt.HFPoolAdapter.batch_view = kind_view  # type: ignore[method-assign]
+
+
+def calibration_calls() -> dict[str, Callable[[], object]]:
+    """One call of each kind (CALLS=1), on scratch buffers of their own: a slot_rows of no requests through each
+    native module (on CUDA with one write slot, so that it launches its fill), and on CUDA torch calls a step makes."""
+    def noop() -> None:
+        return None
+
+    def native(backend: str) -> Callable[[], object]:
+        dev = torch.device(backend)
+        table = torch.zeros(1, 1, dtype=torch.int64, device=dev)
+        none = torch.zeros(0, dtype=torch.int64, device=dev)
+        slots = torch.zeros(1 if backend == "cuda" else 0, dtype=torch.int64, device=dev)
+        fn = _native.module(backend).slot_rows
+        return lambda: fn(table, none, none, none, none, slots, slots, 1, 1)
+
+    calls: dict[str, Callable[[], object]] = {"cal: python call": noop, "cal: tvm-ffi cpu": native("cpu")}
+    if device == "cuda":
+        scratch, ev = torch.zeros(1, device="cuda"), torch.cuda.Event()  # type: ignore[no-untyped-call]
+        calls |= {"cal: current device": torch.cuda.current_device, "cal: event record": ev.record,
+                  "cal: torch launch": scratch.zero_, "cal: tvm-ffi cuda launch": native("cuda")}
+    return calls
+
+
+if os.environ.get("CALLS") == "1":
+    calibration = calibration_calls()
+
+    def calibrated_view(self, io, batch):  # type: ignore[no-untyped-def]
+        for name, fn in calibration.items():
+            t = time.perf_counter()
+            fn()
+            times.setdefault(name, []).append(time.perf_counter() - t)
+        return kind_view(self, io, batch)
+
+    kt.HFPoolAdapter.batch_view = calibrated_view  # type: ignore[method-assign]
 sync = torch.cuda.synchronize if os.environ.get("SYNC") == "1" and device == "cuda" else None
 for owner, name in ((kt.HFPoolAdapter, "batch_view"), (mg.CanaryManager, "begin_forward"),
                     (mg.CanaryManager, "pre_forward"), (mg.CanaryManager, "post_forward"),
