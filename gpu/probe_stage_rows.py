@@ -1,7 +1,9 @@
 """Probe: host µs of the transformers batch view's staging call (``stage_slot_rows``, docs/ops-contract.md 12a) on CUDA,
-split into its pieces: the bound stager, the native call without its event, without its copy (no requests), the fill
-alone (``slot_rows`` on device facts), the facts' conversion, and the path it replaced (a torch copy of pinned rows
-and an event, then ``slot_rows``). The calls run round-robin, so that each sees the same host state.
+split into its pieces: the bound stager, the native call without its event, with no requests, the fill alone
+(``slot_rows`` on device facts), the facts' conversion, and the path it replaced (a torch copy of pinned rows and an
+event, then ``slot_rows``). A batch of at most STAGE_INLINE_ROWS requests passes its facts in the fill's launch (no
+event, no copy); a larger one is copied from the pinned staging. The calls run round-robin, so that each sees the same
+host state.
 Usage: python3 gpu/probe_stage_rows.py [iters] [batch size, default 32] [positions per request, default 1064]."""
 
 import statistics
@@ -47,10 +49,10 @@ def main() -> None:
         mod.slot_rows(tbl, dst[0, :bs], dst[4, :bs], dst[3, :bs], src, out, write, 4096 * 3, 4096)
 
     calls: dict[str, Callable[[], object]] = {
-        "stager (event, copy, fill)": lambda: stager(facts, src, out, write),
+        "stager call": lambda: stager(facts, src, out, write),
         "native, event 0": lambda: mod.stage_slot_rows(tbl, facts, staging, dfacts, src, out, write, 4096 * 3, 4096,
                                                        0),
-        "native, no requests (no copy)": lambda: mod.stage_slot_rows(tbl, empty, staging, dfacts, src, out, write,
+        "native, no requests": lambda: mod.stage_slot_rows(tbl, empty, staging, dfacts, src, out, write,
                                                                      4096 * 3, 4096, 0),
         "slot_rows alone (device facts)": lambda: mod.slot_rows(tbl, dev_facts[0, :bs], starts, kv, src, out, write,
                                                                 4096 * 3, 4096),
