@@ -6,7 +6,8 @@ work, not a wait for earlier queued work; NEW=n: n new tokens per request, defau
 batch view's own parts, the eager graphs' launches, the write check and the per-layer KV-write hook too; CALLS=1: at
 the start of every batch view, one call of each kind a canary step is made of, timed alone inside the step: a Python
 call, a tvm-ffi call into the CPU module, and on CUDA a current-device query, an event record, a torch kernel launch
-and a tvm-ffi CUDA launch, so a part's in-step time can be split into calls of each kind). Each part is reported
+and a tvm-ffi CUDA launch, then all of them once more, so a part's in-step time can be split into calls of each kind,
+first and repeated). Each part is reported
 separately for the decode steps (the benchmark's) and the mixed ones (prefill chunks).
 Usage: [SYNC=1] [NEW=n] [DEEP=1] [CALLS=1] python3 gpu/probe_tf_parts.py [cuda|cpu] [1b|tiny] [batch] [prompt]"""
 
@@ -85,10 +86,11 @@ if os.environ.get("CALLS") == "1":
     calibration = calibration_calls()
 
     def calibrated_view(self, io, batch):  # type: ignore[no-untyped-def]
-        for name, fn in calibration.items():
-            t = time.perf_counter()
-            fn()
-            times.setdefault(name, []).append(time.perf_counter() - t)
+        for again in ("", " (again)"):  # the same calls once more: what a call costs once its path is warm
+            for name, fn in calibration.items():
+                t = time.perf_counter()
+                fn()
+                times.setdefault(name + again, []).append(time.perf_counter() - t)
         return kind_view(self, io, batch)
 
     kt.HFPoolAdapter.batch_view = calibrated_view  # type: ignore[method-assign]
