@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from kvcanary.program import CAPTURE_AFTER
 
@@ -139,11 +141,11 @@ class RoundRobin:
     time, so one core serves them all."""
 
     def __init__(self, device: str, models: dict[str, Any], canary: dict[str, Callable[[], int] | None],
-                 cpu: int | None = None, spin: dict[str, float] | None = None) -> None:
+                 cpu: int | None = None, spin: dict[str, Callable[[], None]] | None = None) -> None:
         from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
         self.cls, self.device, self.canary, self.cpu = ContinuousBatchingManager, device, canary, cpu
-        self.spin = spin or {}  # per model: seconds its every turn busy-waits inside the timed region (:func:`spin`)
+        self.spin = spin or {}  # per model: what its every turn busy-waits on inside the timed region (:func:`spin`)
         self.orig = ContinuousBatchingManager._generation_loop_body
         self.name_of = {id(m): n for n, m in models.items()}
         self.steps: dict[str, list[float]] = {n: [] for n in models}
@@ -186,7 +188,7 @@ class RoundRobin:
         out = False
         try:
             out = _timed_turn(self.orig, mgr, batch_processor, bootstrapping, self.device, self.canary[name],
-                              self.steps[name], self.canary_us[name], spin_s=self.spin.get(name, 0.0))
+                              self.steps[name], self.canary_us[name], spin=self.spin.get(name))
             return out
         finally:
             with self.cv:
@@ -206,18 +208,17 @@ class RoundRobin:
 
 def _timed_turn(orig: Callable[..., bool], mgr: Any, batch_processor: Any, bootstrapping: bool, device: str,
                 canary: Callable[[], int] | None, steps: list[float], canary_us: list[float],
-                mark: Callable[[], None] | None = None, spin_s: float = 0.0) -> bool:
+                mark: Callable[[], None] | None = None, spin: Callable[[], None] | None = None) -> bool:
     """One loop turn of transformers' generation loop, synchronized before and after; a turn that ran a batch appends
     its wall time to ``steps`` and kvcanary's host µs in it (``canary`` reads the cumulative count) to ``canary_us``.
-    ``mark`` runs just outside the timed region on both sides; ``spin_s``: seconds of :func:`spin` inside it, before
-    the turn."""
+    ``mark`` runs just outside the timed region on both sides; ``spin``: run inside it, before the turn."""
     _sync(device)
     if mark is not None:
         mark()
     c0 = canary() if canary is not None else 0
     before, t = mgr.current_batch, time.perf_counter()
-    if spin_s:
-        spin(spin_s)
+    if spin is not None:
+        spin()
     out = orig(mgr, batch_processor, bootstrapping)
     _sync(device)
     dt = time.perf_counter() - t
@@ -229,11 +230,15 @@ def _timed_turn(orig: Callable[..., bool], mgr: Any, batch_processor: Any, boots
     return out
 
 
-def spin(seconds: float) -> None:
-    """Busy-wait ``seconds`` on the host: CPU time that touches almost no memory (the calibration's added work)."""
-    end = time.perf_counter() + seconds
+def spin(seconds: float, walk: np.ndarray | None = None) -> None:
+    """Busy-wait ``seconds`` on the host: CPU time that touches almost no memory (the calibration's added work), or,
+    with ``walk``, that reads through that buffer meanwhile, chunk after chunk (added work that evicts the caches, as
+    a canary's calls between the engine's do)."""
+    end, at = time.perf_counter() + seconds, 0
     while time.perf_counter() < end:
-        pass
+        if walk is not None:
+            walk[at:at + WALK_CHUNK].sum()
+            at = (at + WALK_CHUNK) % walk.shape[0]
 
 
 def _sync(device: str) -> None:
@@ -242,6 +247,7 @@ def _sync(device: str) -> None:
 
 
 MARK = "spin_kernel"  # torch.cuda._sleep's kernel
+WALK_CHUNK = 4096  # int64 elements a memory-walking spin reads between two clock reads (32 KiB)
 
 
 def timeline_steps(events: Any) -> list[dict[str, float]]:
@@ -305,7 +311,8 @@ def decode_steps(per_step: list[T], new_tokens: int, skip: int) -> list[T]:
 
 def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int, repeats: int, device: str,
             variants: list[tuple[str, dict[str, Any], float]], skip: int = 0,
-            loop_cpu: int | None = None, control: bool = False, spin_us: float = 0.0) -> dict[str, Any]:
+            loop_cpu: int | None = None, control: bool = False, spin_us: float = 0.0,
+            spin_kib: int = 0) -> dict[str, Any]:
     """Repeats of the baseline and every variant run side by side: one model each (``make_model``, identical
     weights), their generation loops taking turns step by step (:class:`RoundRobin`), so the host's drift is common to
     a round. Each decode step of a variant pairs with the baseline's step of the same round; the overhead is the
@@ -332,8 +339,12 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
     ``spin_us``: one more model with no canary whose every step also busy-waits ``spin_us`` on the host (:func:`spin`),
     paired with the baseline like a variant: the pairs' calibration. Its row puts the pairs' median next to what the
     spin alone adds (``expected_pct``, the median of spin / (step - spin)); pairs above that say the setup adds to a
-    model's host work, pairs near it that a variant's excess over its attributed bound is its own."""
-    spun = f"host spin {spin_us:g} us (no canary)" if spin_us > 0 else ""
+    model's host work, pairs near it that a variant's excess over its attributed bound is its own. ``spin_kib``: the
+    spin reads through a buffer of that many KiB meanwhile (:func:`spin`'s ``walk``): pairs above a plain spin's say
+    added host work costs the engine's own code more when it evicts the caches."""
+    walk = np.ones(spin_kib * 128, dtype=np.int64) if spin_kib > 0 else None  # 128 int64 per KiB
+    spun = (f"host spin {spin_us:g} us" + (f" reading {spin_kib} KiB" if walk is not None else "") + " (no canary)") \
+        if spin_us > 0 else ""
     extra = ([CONTROL] if control else []) + ([spun] if spun else [])
     configs = configs_of(variants) + [(n, None) for n in extra]
     paired = [n for n, _, _ in variants] + extra
@@ -353,7 +364,7 @@ def measure(make_model: Callable[[], Any], ps: list[list[int]], new_tokens: int,
             handles = {name: stack.enter_context(installed(models[name], kwargs)) for name, kwargs in configs}
             rr = RoundRobin(device, models, {n: None if h is None else (lambda h=h: h.host_us)
                                              for n, h in handles.items()}, loop_cpu,
-                            {spun: 1e-6 * spin_us} if spun else {})
+                            {spun: functools.partial(spin, 1e-6 * spin_us, walk)} if spun else {})
             outs = rr.run(models, ps, new_tokens)
         decode = {n: decode_steps(rr.steps[n], new_tokens, skip) for n in models}
         medians = {n: 1e3 * statistics.median(d) for n, d in decode.items()}
@@ -528,10 +539,14 @@ def main() -> None:
                     help="also a second model with no canary, paired with the baseline: the setup's own offset")
     ap.add_argument("--only", default="",
                     help="comma-separated name prefixes: run only the variants whose names start with one of them")
+    ap.add_argument("--spin-kib", type=int, default=0,
+                    help="the spin model also reads through a buffer of this many KiB while it waits")
     ap.add_argument("--spin-us", type=float, default=0.0,
                     help="also a model with no canary whose steps busy-wait this long: the pairs' calibration")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    if a.spin_kib and a.spin_us <= 0:
+        ap.error("--spin-kib needs --spin-us (the spin model it reads memory in)")
     if not 0 <= a.skip_decode < a.new_tokens - 1:
         ap.error(f"--skip-decode must be in [0, {a.new_tokens - 1}) for {a.new_tokens} new tokens")
     cfg = LLAMA_1B if a.model == "1b" else LLAMA_TINY
@@ -544,7 +559,7 @@ def main() -> None:
             ap.error(f"--only {a.only!r} names no variant of {[v[0] for v in VARIANTS + PARTS]}")
     res = measure(lambda: build_model(cfg, a.device, dtype), prompts(a.batch, a.prompt, cfg["vocab_size"]),
                   a.new_tokens, a.repeats, a.device, variants, a.skip_decode,
-                  None if a.loop_cpu < 0 else a.loop_cpu, a.control, a.spin_us)
+                  None if a.loop_cpu < 0 else a.loop_cpu, a.control, a.spin_us, a.spin_kib)
     for r in res["rows"]:
         print(json.dumps({k: v for k, v in r.items() if k not in RAW_KEYS}))
     out = {"machine": platform.node(), "torch": torch.__version__,
@@ -553,6 +568,7 @@ def main() -> None:
                       f"--prompt {a.prompt} --new-tokens {a.new_tokens} --repeats {a.repeats}"
                       + (" --parts" if a.parts else "") + (" --control" if a.control else "")
                       + (f" --spin-us {a.spin_us:g}" if a.spin_us > 0 else "")
+                      + (f" --spin-kib {a.spin_kib}" if a.spin_kib > 0 else "")
                       + (f" --only {a.only!r}" if a.only else "")
                       + (f" --skip-decode {a.skip_decode}" if a.skip_decode else "")
                       + f" --loop-cpu {a.loop_cpu}",

@@ -922,6 +922,29 @@ def test_benchmark_spin_calibrates_the_pairs() -> None:
     assert spun["overhead_pct"] > 0 and spun["expected_pct"] == pytest.approx(expected, rel=0.5), spun
 
 
+def test_spin_reads_its_buffer_while_it_waits() -> None:
+    """bench_transformers' spin with a buffer to walk: it still waits its time, and reads the buffer chunk after chunk
+    from its start, wrapping around past its end (a buffer of a few chunks, a wait long enough for several passes)."""
+    import time
+
+    import numpy as np
+
+    import bench.bench_transformers as bt
+
+    n, seen = 3 * bt.WALK_CHUNK + 5, []
+
+    class Recorded(np.ndarray):
+        def __getitem__(self, key: Any) -> Any:
+            seen.append(key.start)
+            return np.asarray(self)[key]
+
+    t0 = time.perf_counter()
+    bt.spin(0.02, np.zeros(n, dtype=np.int64).view(Recorded))
+    assert time.perf_counter() - t0 >= 0.02
+    want = [k * bt.WALK_CHUNK % n for k in range(5)]  # 0, 1, 2, 3 chunks, then past the end: wrapped
+    assert len(seen) >= 8 and seen[:5] == want, seen
+
+
 def test_round_robin_runs_one_step_of_every_model_per_round() -> None:
     """bench_transformers' RoundRobin: three models' loops take turns, pinned to one core; while all three run, every
     window of three consecutive turns holds each model once and each round starts with another model (the order
