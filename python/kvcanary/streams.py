@@ -1,5 +1,5 @@
 """The hot path's CUDA streams without torch.cuda's per-call Python (lazy-init checks, device lookups, new Stream
-objects): the current stream of a device, and a handoff to another stream and back."""
+objects): the current stream of a device, and a switch to another stream and back."""
 
 from __future__ import annotations
 
@@ -24,43 +24,32 @@ class CurrentStream:
         return self._stream
 
 
-class StreamHandoff:
-    """Work queued on ``stream`` between :meth:`enter` and :meth:`leave`, with ``stream`` current meanwhile, ordered
-    after what the current stream had queued and before what it queues next: ``stream.wait_stream(current)`` and
-    ``torch.cuda.stream(stream)``, then ``current.wait_stream(stream)``, with two events kept across calls (each
-    ``wait_stream`` makes a new one), the current stream from :class:`CurrentStream` and the stream switched by
-    torch's own setter (``torch.cuda.stream`` costs tens of µs of Python per use). Reusing an event is safe: a wait
-    takes the event's state when it is queued."""
+class StreamSwitch:
+    """``stream`` made the current stream (and its device the current device) by :meth:`enter`, and what was current
+    before made current again by :meth:`leave`: torch's own setters, without ``torch.cuda.stream``'s Python (tens of
+    µs per use). It queues nothing on either stream (an event record costs 14-48 µs inside an engine's step,
+    bench/results/host_session28): work queued meanwhile is ordered by ``stream`` alone, so whoever switches
+    keeps on ``stream`` every device op that must be ordered with that work (``wait_stream`` once where work must
+    cross streams). Switches nest: each :meth:`leave` takes what its :meth:`enter` returned."""
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         """For ``stream`` (of a CUDA device; CUDA initialised)."""
         self.stream = stream
         self._current = CurrentStream(stream.device_index)
-        self._entered: torch.cuda.Stream | None = None  # the current stream at enter()
-        self._device = 0  # the current device at enter() (setting a stream makes its device current)
-        self._ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._done = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
-    def enter(self) -> None:
-        """``stream`` waits for the work queued on the current stream so far, then becomes the current stream."""
-        current = self._current.get()
-        self._ready.record(current)
-        self.stream.wait_event(self._ready)
-        self._device = torch._C._cuda_getDevice()
+    def enter(self) -> tuple[torch.cuda.Stream, int]:
+        """Make ``stream`` current; returns what :meth:`leave` restores: the stream current on its device and the
+        current device, before."""
+        was = self._current.get(), torch._C._cuda_getDevice()
         _set_stream(self.stream)
-        self._entered = current
+        return was
 
-    def leave(self) -> None:
-        """The stream that was current at :meth:`enter` is current again and waits for the work queued on ``stream``
-        so far; the device current at :meth:`enter` is current again. Nothing without an :meth:`enter` before it."""
-        entered, self._entered = self._entered, None
-        if entered is None:
-            return
-        self._done.record(self.stream)
-        _set_stream(entered)
-        if self._device != entered.device_index:
-            torch._C._cuda_setDevice(self._device)
-        entered.wait_event(self._done)
+    def leave(self, was: tuple[torch.cuda.Stream, int]) -> None:
+        """Make current again what :meth:`enter` returned (``was``)."""
+        stream, device = was
+        _set_stream(stream)
+        if device != stream.device_index:
+            torch._C._cuda_setDevice(device)
 
 
 def _set_stream(stream: torch.cuda.Stream) -> None:

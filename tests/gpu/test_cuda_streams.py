@@ -1,64 +1,70 @@
-"""StreamHandoff on CUDA: between enter() and leave() the side stream is current; work on it runs after what the current
-stream queued before enter(), and the current stream's later work runs after what the side stream queued before
-leave()."""
+"""StreamSwitch on CUDA: between enter() and leave() the side stream is current, after leave() what was current before;
+switches nest; a switch queues nothing on either stream."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kvcanary.streams import StreamHandoff
+from kvcanary.streams import StreamSwitch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda", 0)
 SLEEP_CYCLES = 50_000_000  # torch.cuda._sleep: tens of ms, far longer than the host takes to queue what follows
 
 
-@pytest.mark.parametrize("rounds", [1, 3])
-def test_handoff_orders_both_ways(rounds: int) -> None:
-    """Each round: the current stream writes behind a long kernel, the side stream reads it and writes behind another,
-    the current stream reads that; unordered, either read would see the old value. Rounds reuse the two events."""
-    side = torch.cuda.Stream(CUDA)  # type: ignore[no-untyped-call]
-    hand = StreamHandoff(side)
-    x = torch.zeros(1 << 16, device=CUDA)
-    for r in range(1, rounds + 1):
-        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-        x.fill_(r)
-        hand.enter()
-        seen = x.clone()  # on the side stream, after the fill: it waits for it
-        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-        y = seen * 2
-        hand.leave()
-        back = y.clone()  # on the current stream: after the side stream's work
-        y.record_stream(torch.cuda.current_stream(CUDA))
-        assert seen.eq(r).all().item() and back.eq(2 * r).all().item()
-
-
-def test_leave_without_enter_queues_nothing() -> None:
-    """leave() with no enter() before it (a bracket that failed before its enter) records and waits on nothing: with
-    the side stream busy, its event stays unrecorded and the current stream stays idle."""
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream(CUDA)  # type: ignore[no-untyped-call]
-    hand = StreamHandoff(side)
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
-    hand.leave()
-    recorded, waited = not hand._done.query(), not torch.cuda.current_stream(CUDA).query()
-    side.synchronize()
-    assert not recorded and not waited
-
-
 def test_enter_makes_the_stream_current_and_leave_restores_the_one_before() -> None:
-    """Under a non-default current stream: enter() makes the side stream current, leave() the one current before; the
-    current device stays the same; a failed bracket's leave() (no enter) changes nothing."""
+    """Under a non-default current stream, twice: enter() makes the side stream current, leave() the one current
+    before; the current device stays the same; with no stream set, the default stream comes back."""
     outer, side = torch.cuda.Stream(CUDA), torch.cuda.Stream(CUDA)  # type: ignore[no-untyped-call]
-    hand = StreamHandoff(side)
+    switch = StreamSwitch(side)
     with torch.cuda.stream(outer):
         for _ in range(2):
-            hand.enter()
+            was = switch.enter()
             inside = torch.cuda.current_stream(CUDA)
-            hand.leave()
+            switch.leave(was)
             assert inside == side and torch.cuda.current_stream(CUDA) == outer
             assert torch.cuda.current_device() == CUDA.index
-        hand.leave()
-        assert torch.cuda.current_stream(CUDA) == outer
+    was = switch.enter()
+    switch.leave(was)
     assert torch.cuda.current_stream(CUDA) == torch.cuda.default_stream(CUDA)
+
+
+def test_switches_nest() -> None:
+    """A switch entered while another (or the same) is current restores that one when it leaves."""
+    a, b = torch.cuda.Stream(CUDA), torch.cuda.Stream(CUDA)  # type: ignore[no-untyped-call]
+    to_a, to_b = StreamSwitch(a), StreamSwitch(b)
+    outer = to_a.enter()
+    mid = to_b.enter()
+    same = to_b.enter()
+    assert torch.cuda.current_stream(CUDA) == b
+    to_b.leave(same)
+    assert torch.cuda.current_stream(CUDA) == b
+    to_b.leave(mid)
+    assert torch.cuda.current_stream(CUDA) == a
+    to_a.leave(outer)
+    assert torch.cuda.current_stream(CUDA) == torch.cuda.default_stream(CUDA)
+
+
+def test_a_switch_queues_nothing() -> None:
+    """Work queued on the side stream after enter() does not wait for the long kernel queued before it on the stream
+    current then, and that stream does not wait for the side stream after leave(): both finish on their own."""
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream(CUDA)  # type: ignore[no-untyped-call]
+    switch = StreamSwitch(side)
+    current = torch.cuda.current_stream(CUDA)
+    torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+    was = switch.enter()
+    x = torch.ones(16, device=CUDA) * 2
+    switch.leave(was)
+    side.synchronize()
+    side_done_first = not current.query()  # the side stream finished while the current one still sleeps
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+    was = switch.enter()
+    switch.leave(was)
+    y = torch.ones(16, device=CUDA) * 3  # on the current stream, after the switch
+    current.synchronize()
+    current_done_first = not side.query()
+    side.synchronize()
+    assert side_done_first and current_done_first and x.sum().item() == 32 and y.sum().item() == 48

@@ -158,3 +158,52 @@ def test_cuda_graphs_clean(model: Any) -> None:
         out = run()
     assert out == ref and handle.total_violations == 0 and handle.errors == []
     assert handle.stats["forwards"] >= 12 and handle.stats.get("write_problems", 0) == 0, handle.stats
+
+
+def test_every_device_op_of_the_cache_runs_on_the_compute_stream(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-stream contract (docs/transformers.md): transformers' writes of the batch inputs (prepare_batch_tensors'
+    reset and copies), its block copies of a fork and the canary's stages and record copies all run with transformers'
+    compute stream current, and the generation thread's own stream is current again between them. Forks
+    (num_return_sequences=3) make block copies; the rolling sweep (sweep_interval=8) runs inside the bracket."""
+    from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
+    seen: list[tuple[str, torch.cuda.Stream]] = []
+    compute: list[torch.cuda.Stream] = []
+
+    def spy(name: str, orig: Any) -> Any:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(self, ContinuousBatchingIOs) and self.compute_stream is not None:
+                compute.append(self.compute_stream)
+            seen.append((name, torch.cuda.current_stream()))
+            return orig(self, *args, **kwargs)
+        return run
+
+    for cls, name in ((ContinuousBatchingIOs, "prepare_batch_tensors"), (CacheAllocator, "copy_blocks"),
+                      (CanaryManager, "pre_forward"), (CanaryManager, "post_forward"),
+                      (CanaryManager, "end_forward"), (kt.HFPoolAdapter, "copy_records")):
+        monkeypatch.setattr(cls, name, spy(name, getattr(cls, name)))
+
+    def after_step(orig: Any) -> Any:  # what the generation thread has current once a step has returned
+        def step(self: Any) -> None:
+            orig(self)
+            seen.append(("after the step", torch.cuda.current_stream()))
+        return step
+
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+    monkeypatch.setattr(ContinuousBatchingManager, "_generation_step",
+                        after_step(ContinuousBatchingManager._generation_step))
+    prompts = shared_prefix_prompts(40, (5, 9, 17))
+    with kt.install(model, _config("all")) as handle:
+        out = model.generate_batch(prompts, generation_config=gen_config(6, do_sample=True, num_return_sequences=3),
+                                   continuous_batching_config=cb_config(256), warmup=False)
+    assert len(out) == 9 and handle.total_violations == 0 and handle.errors == []
+    assert handle.stats["blocks_copied"] > 0, handle.stats
+    streams = {s.stream_id for s in compute}
+    assert len(streams) == 1, streams
+    (stream,) = streams
+    names = {n for n, _ in seen}
+    assert names >= {"prepare_batch_tensors", "copy_blocks", "copy_records", "pre_forward", "post_forward",
+                     "end_forward", "after the step"}, names
+    wrong = [(n, s.stream_id) for n, s in seen if (s.stream_id == stream) != (n != "after the step")]
+    assert not wrong, (stream, wrong[:8])

@@ -25,7 +25,7 @@ from kvcanary.manager import install as install_manager
 from kvcanary.ops.slot_rows import SlotRowStager
 from kvcanary.ops.types import SourceSpec
 from kvcanary.report import ReportSink, Violation, WindowReport
-from kvcanary.streams import StreamHandoff
+from kvcanary.streams import StreamSwitch
 from kvcanary.truth import new_token_truth
 
 logger = logging.getLogger("kvcanary")
@@ -493,7 +493,7 @@ class _Session:
         self.layer_writes = 0
         self.stray_writes = 0
         self.write_ptr = 0
-        self._handoff: StreamHandoff | None = None  # the bracket's ordering against transformers' compute stream
+        self._switch: StreamSwitch | None = None  # to transformers' compute stream (_enter)
         self.stats: Counter[str] = Counter()
         self.patches = _Patches()
         alloc = self.adapter.alloc
@@ -507,7 +507,7 @@ class _Session:
         self._write_shapes: set[tuple[int, int]] = set()
         p.wrap(alloc, "free_blocks", self._lifecycle(self._on_free))
         p.wrap(alloc, "mark_complete_blocks", self._lifecycle(self._on_mark_complete))
-        p.wrap(alloc, "copy_blocks", self._lifecycle(self._on_copy))
+        p.wrap(alloc, "copy_blocks", self._lifecycle(self._on_copy, device=True))
         p.wrap(cache, "search_prefix_match", self._lifecycle(self._on_prefix_match))
         p.wrap(cache, "evict_cached_blocks", self._lifecycle(self._on_evict))
         p.wrap(cache, "reset", self._lifecycle(self._on_reset))
@@ -518,12 +518,17 @@ class _Session:
         def prepare_batch_tensors(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             batch = _Batch.of(kwargs["requests_in_batch"] if "requests_in_batch" in kwargs else args[0])
+            entered = self._enter()  # transformers' writes of the inputs go to the compute stream
             t1 = time.perf_counter()
-            out = orig(*args, **kwargs)
-            t2 = time.perf_counter()
+            try:
+                out = orig(*args, **kwargs)
+            finally:
+                t2 = time.perf_counter()
+                self._leave(entered)
             # warmup batches (graphs/compile) run fake requests outside the generation step; a reset follows them
             self.pending = None if any(i.startswith("__warmup_") for i in batch.ids) else batch
-            # the batch snapshot's host time (canary time outside the bracket, like the lifecycle wrappers')
+            # the batch snapshot's and the stream switch's host time (canary time outside the bracket, like the
+            # lifecycle wrappers')
             self.stats["snapshot_us"] += int(1e6 * (time.perf_counter() - t2 + t1 - t0))
             return out
         return prepare_batch_tensors
@@ -560,7 +565,7 @@ class _Session:
         if io.use_block_table:
             raise TransformersIntegrationError("the block-table (flash) decode path writes KV inside its kernel; "
                                                "kvcanary needs max_blocks_per_request=0")
-        hand = self._enter(io.compute_stream)
+        entered = self._enter()
         try:
             batch = self.adapter.batch_view(io, scheduled)
             check = self._arm_write_check(batch)
@@ -580,8 +585,7 @@ class _Session:
                 t2 = time.perf_counter()
                 self.canary.post_forward()
         finally:
-            if hand is not None:
-                hand.leave()
+            self._leave(entered)
         self.stats["forwards"] += 1
         self.stats["tokens"] += batch.num_tokens
         # host time of the bracket around transformers' step (the kernels are asynchronous on CUDA)
@@ -590,16 +594,41 @@ class _Session:
             self._check_writes((batch.batch_size, batch.num_tokens))
         return out
 
-    def _enter(self, stream: torch.cuda.Stream | None) -> StreamHandoff | None:
-        """The bracket (the canary and the forward) moved to transformers' compute ``stream`` (None: none, nothing to
-        do), ordered after prepare_batch_tensors' copies on the current stream; the handoff to leave it by."""
+    def _enter(self) -> tuple[StreamSwitch, tuple[torch.cuda.Stream, int]] | None:
+        """Make transformers' compute stream current (None: it has none, nothing done); what :meth:`_leave` takes.
+
+        Every device op of this cache runs on that one stream, so host order orders them and a step queues no event
+        (an event record costs 14-48 µs inside the step, bench/results/host_session28): transformers' batch preparation (its writes of the
+        inputs the canary stages), its forward and block copies (:meth:`_wrap_prepare`, :meth:`_bracket`, the copy
+        wrapper), all the canary's work, and once per batch processor the work queued before on the stream current
+        then (:meth:`join`)."""
+        stream = self.proc.inputs_and_outputs.compute_stream
         if stream is None:
             return None
-        hand = self._handoff
-        if hand is None or hand.stream is not stream:
-            hand = self._handoff = StreamHandoff(stream)
-        hand.enter()
-        return hand
+        switch = self._switch
+        if switch is None or switch.stream is not stream:
+            switch = self._switch = StreamSwitch(stream)
+        return switch, switch.enter()
+
+    @staticmethod
+    def _leave(entered: tuple[StreamSwitch, tuple[torch.cuda.Stream, int]] | None) -> None:
+        """Make current again what was current before :meth:`_enter` (``entered``: what it returned)."""
+        if entered is not None:
+            entered[0].leave(entered[1])
+
+    def join(self) -> None:
+        """The compute stream's later work runs after what the current stream has queued so far: a new or reset batch
+        processor's buffers (transformers fills them there) and the canary's own state."""
+        stream = self.proc.inputs_and_outputs.compute_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+
+    def settle(self) -> None:
+        """The current stream's later work runs after everything queued on the compute stream: before the canary is
+        flushed or read from another stream (a stopped manager, uninstall)."""
+        stream = self.proc.inputs_and_outputs.compute_stream
+        if stream is not None:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
 
     def _wrap_update(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, read_index: torch.Tensor,
@@ -644,18 +673,24 @@ class _Session:
 
     # ------------------------------------------------------------------ block lifecycle
 
-    def _lifecycle(self, on: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def _lifecycle(self, on: Callable[..., Any], device: bool = False
+                   ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """A wrapper maker: transformers' own call, then ``on(out, *args, **kwargs)`` (the canary's bookkeeping, whose
         result is returned), its host time added to ``stats["lifecycle_us"]`` (canary time outside the bracket: these
-        calls run in transformers' scheduler and update)."""
+        calls run in transformers' scheduler and update). ``device``: both queue device work, so both run with the
+        compute stream current (:meth:`_enter`)."""
         def make(orig: Callable[..., Any]) -> Callable[..., Any]:
             def wrapped(*args: Any, **kwargs: Any) -> Any:
-                out = orig(*args, **kwargs)
-                t0 = time.perf_counter()
+                entered = self._enter() if device else None
                 try:
-                    return on(out, *args, **kwargs)
+                    out = orig(*args, **kwargs)
+                    t0 = time.perf_counter()
+                    try:
+                        return on(out, *args, **kwargs)
+                    finally:
+                        self.stats["lifecycle_us"] += int(1e6 * (time.perf_counter() - t0))
                 finally:
-                    self.stats["lifecycle_us"] += int(1e6 * (time.perf_counter() - t0))
+                    self._leave(entered)
             return wrapped
         return make
 
@@ -704,6 +739,7 @@ class _Session:
     def close(self) -> None:
         """Flush the canary's last window (stashing a RAISE error) and remove this session's wrappers."""
         try:
+            self.settle()
             self.canary.flush()
         except KVCanaryError as e:
             self.handle._stash(e)
@@ -857,8 +893,14 @@ class TransformersCanary:
             self._attach_processor(mgr, mgr.batch_processor)
 
     def _attach_processor(self, mgr: Any, proc: Any) -> None:
-        if id(proc) in self._sessions:
-            return
+        """A session for a new batch processor; a created or reset one's buffers ordered before its compute stream's
+        work (:meth:`_Session.join`)."""
+        session = self._sessions.get(id(proc))
+        if session is None:
+            session = self._new_session(mgr, proc)
+        session.join()
+
+    def _new_session(self, mgr: Any, proc: Any) -> _Session:
         cache = proc.cache
         live = [rid for a in cache.cache_allocators.values() for rid in a.block_table]
         if live:
@@ -870,6 +912,7 @@ class TransformersCanary:
         session = _Session(self, mgr, proc)
         self._sessions[id(proc)] = session
         self.last_canary = session.canary
+        return session
 
     def _after_stop(self, mgr: Any) -> None:
         """Flush the sessions of a stopped manager; close those whose processor it dropped."""
@@ -878,6 +921,7 @@ class TransformersCanary:
                 continue
             if mgr.batch_processor is s.proc:  # kept for the next session: flush only
                 try:
+                    s.settle()
                     s.canary.flush()
                 except KVCanaryError as e:
                     self._stash(e)
