@@ -48,13 +48,14 @@ def test_switches_nest() -> None:
 def test_a_switch_queues_nothing() -> None:
     """Work queued on the side stream after enter() does not wait for the long kernel queued before it on the stream
     current then, and that stream does not wait for the side stream after leave(): both finish on their own."""
-    torch.cuda.synchronize()
     side = torch.cuda.Stream(CUDA)  # type: ignore[no-untyped-call]
     switch = StreamSwitch(side)
     current = torch.cuda.current_stream(CUDA)
+    x, y = torch.zeros(16, device=CUDA), torch.zeros(16, device=CUDA)  # no allocation below: cudaMalloc may sync
+    torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
     was = switch.enter()
-    x = torch.ones(16, device=CUDA) * 2
+    x.fill_(2)
     switch.leave(was)
     side.synchronize()
     side_done_first = not current.query()  # the side stream finished while the current one still sleeps
@@ -63,7 +64,7 @@ def test_a_switch_queues_nothing() -> None:
         torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
     was = switch.enter()
     switch.leave(was)
-    y = torch.ones(16, device=CUDA) * 3  # on the current stream, after the switch
+    y.fill_(3)  # on the current stream, after the switch
     current.synchronize()
     current_done_first = not side.query()
     side.synchronize()
