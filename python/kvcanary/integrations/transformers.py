@@ -598,10 +598,10 @@ class _Session:
         """Make transformers' compute stream current (None: it has none, nothing done); what :meth:`_leave` takes.
 
         Every device op of this cache runs on that one stream, so host order orders them and a step queues no event
-        (an event record costs 14-48 µs inside the step, bench/results/host_session28): transformers' batch preparation (its writes of the
-        inputs the canary stages), its forward and block copies (:meth:`_wrap_prepare`, :meth:`_bracket`, the copy
-        wrapper), all the canary's work, and once per batch processor the work queued before on the stream current
-        then (:meth:`join`)."""
+        (an event record costs 14-48 µs inside the step, bench/results/host_session28). Those ops: transformers'
+        batch preparation (its writes of the inputs the canary stages), its forward and block copies
+        (:meth:`_wrap_prepare`, :meth:`_bracket`, the copy wrapper), all the canary's work, and once per batch
+        processor the work queued before on the stream current then (:meth:`join`)."""
         stream = self.proc.inputs_and_outputs.compute_stream
         if stream is None:
             return None
