@@ -3,7 +3,8 @@ of a random Llama): the adapter's batch view, begin_forward, pre_forward, post_f
 end_forward the rolling sweep's slice (_roll: the export, its derive when new, the slice's launches), each timed
 around its call (no sync: host time; SYNC=1: the device synchronized before each, untimed, so a part's time is its own
 work, not a wait for earlier queued work; NEW=n: n new tokens per request, default 33; DEEP=1: the slice's and the
-batch view's own parts, the eager graphs' launches, the write check and the per-layer KV-write hook too; CALLS=1: at
+batch view's own parts, the eager graphs' launches, the move to the compute stream and back, the write check and the
+per-layer KV-write hook too; CALLS=1: at
 the start of every batch view, one call of each kind a canary step is made of, timed alone inside the step: a Python
 call, a tvm-ffi call into the CPU module, and on CUDA a current-device query, an event record, a torch kernel launch
 and a tvm-ffi CUDA launch, then all of them once more, so a part's in-step time can be split into calls of each kind,
@@ -23,6 +24,7 @@ import kvcanary.integrations.transformers as kt
 import kvcanary.manager as mg
 import kvcanary.ops.slot_rows as sr
 import kvcanary.program as pg
+import kvcanary.streams as st
 import kvcanary.sweep as sw
 import kvcanary.upload as up
 import torch
@@ -109,10 +111,15 @@ if os.environ.get("DEEP") == "1":  # inside the slice (export build, derive, lau
                         (torch.cuda.CUDAGraph, "replay"),
                         (mg.CanaryManager, "_expect_sweep"), (kt._Session, "_check_writes")):
         time_calls(owner, name, times)  # type: ignore[arg-type]
-    # the batch view's staging (before 12a: StagedRows.put; an A/B may run either) and the eager graphs' launches
+    # the batch view's staging (before 12a: StagedRows.put; an A/B may run either), the eager graphs' launches, and
+    # the bracket's move to the compute stream and back (before 5bd8553: the handoff's events; after: a switch)
     for owner, name, label in ((getattr(sr, "SlotRowStager", None), "__call__", "stage_slot_rows"),
                                (getattr(hc, "StagedRows", None), "put", "put"),
-                               (pg.EagerGraphs, "__call__", "EagerGraphs")):
+                               (pg.EagerGraphs, "__call__", "EagerGraphs"),
+                               (getattr(st, "StreamHandoff", None), "enter", "handoff enter"),
+                               (getattr(st, "StreamHandoff", None), "leave", "handoff leave"),
+                               (getattr(st, "StreamSwitch", None), "enter", "switch enter"),
+                               (getattr(st, "StreamSwitch", None), "leave", "switch leave")):
         if owner is not None:
             time_calls(owner, name, times, label=label)
     wrap_update = kt._Session._wrap_update
