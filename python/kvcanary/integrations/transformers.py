@@ -623,12 +623,13 @@ class _Session:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
 
-    def settle(self) -> None:
-        """The current stream's later work runs after everything queued on the compute stream: before the canary is
-        flushed or read from another stream (a stopped manager, uninstall)."""
+    def flush(self) -> None:
+        """Collect the canary's last window from the calling thread (a stopped manager, uninstall): its current
+        stream first waits for everything queued on the compute stream."""
         stream = self.proc.inputs_and_outputs.compute_stream
         if stream is not None:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
+        self.canary.flush()
 
     def _wrap_update(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         def update(key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, read_index: torch.Tensor,
@@ -739,8 +740,7 @@ class _Session:
     def close(self) -> None:
         """Flush the canary's last window (stashing a RAISE error) and remove this session's wrappers."""
         try:
-            self.settle()
-            self.canary.flush()
+            self.flush()
         except KVCanaryError as e:
             self.handle._stash(e)
         finally:
@@ -921,8 +921,7 @@ class TransformersCanary:
                 continue
             if mgr.batch_processor is s.proc:  # kept for the next session: flush only
                 try:
-                    s.settle()
-                    s.canary.flush()
+                    s.flush()
                 except KVCanaryError as e:
                     self._stash(e)
                 continue
