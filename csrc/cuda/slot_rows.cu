@@ -91,14 +91,13 @@ SlotRowsParams slot_rows_params(const TensorView& table, const int64_t* rows, co
                         a.bs + ceil_div(a.n, kSlotRowsThreads)};
 }
 
-// The fill's grid: its jobs, at most 8 blocks per SM (they stride over the rest).
-unsigned slot_rows_grid(const SlotRowsParams& p, int device_id) {
-  return static_cast<unsigned>(std::min(p.jobs, 8 * static_cast<int64_t>(sm_count(device_id))));
-}
-
-// One slot_rows launch on `stream` (nothing for no jobs).
-void launch_slot_rows(const SlotRowsParams& p, int device_id, cudaStream_t stream) {
-  if (p.jobs > 0) launch_kernel(slot_rows_kernel, slot_rows_grid(p, device_id), kSlotRowsThreads, stream, device_id, p);
+// One launch of a fill `kernel` (slot_rows_kernel, or the inline one with its `extra` arguments) on `stream`, a grid
+// of its jobs with at most 8 blocks per SM (they stride over the rest); nothing for no jobs.
+template <typename Kernel, typename... Extra>
+void launch_fill(Kernel kernel, const SlotRowsParams& p, int device_id, cudaStream_t stream, Extra... extra) {
+  if (p.jobs == 0) return;
+  const auto grid = static_cast<unsigned>(std::min(p.jobs, 8 * static_cast<int64_t>(sm_count(device_id))));
+  launch_kernel(kernel, grid, kSlotRowsThreads, stream, device_id, p, extra...);
 }
 
 // Whether `stream` is capturing a graph (a launch's parameters would then be fixed for every replay).
@@ -115,10 +114,11 @@ void slot_rows(TensorView table, TensorView rows, TensorView starts, TensorView 
   const SlotRowsArgs a = check_slot_rows_args(kDLCUDA, table, rows, starts, lens, src, out, write, stride, page);
   const int device_id = table.device().device_id;
   tvm::ffi::CUDADeviceGuard guard(device_id);
-  launch_slot_rows(slot_rows_params(table, static_cast<const int64_t*>(rows.data_ptr()),
-                                    static_cast<const int64_t*>(starts.data_ptr()),
-                                    static_cast<const int64_t*>(lens.data_ptr()), src, out, write, a),
-                   device_id, stream_of(table.device()));
+  launch_fill(slot_rows_kernel,
+              slot_rows_params(table, static_cast<const int64_t*>(rows.data_ptr()),
+                               static_cast<const int64_t*>(starts.data_ptr()),
+                               static_cast<const int64_t*>(lens.data_ptr()), src, out, write, a),
+              device_id, stream_of(table.device()));
 }
 
 // docs/ops-contract.md 12a: a batch of at most STAGE_INLINE_ROWS requests, outside a capture, passes its five fact rows
@@ -136,11 +136,8 @@ void stage_slot_rows(TensorView table, TensorView facts_in, TensorView staging, 
   if (bs <= STAGE_INLINE_ROWS && !capturing(stream)) {
     InlineFacts f;
     stage_facts(s.in, bs, &f.v[0][0], STAGE_INLINE_ROWS);
-    const SlotRowsParams p = slot_rows_params(table, nullptr, nullptr, nullptr, src, out, write, s.a);
-    if (p.jobs > 0) {
-      launch_kernel(slot_rows_inline_kernel, slot_rows_grid(p, dev.device_id), kSlotRowsThreads, stream,
-                    dev.device_id, p, f, s.facts, w);
-    }
+    launch_fill(slot_rows_inline_kernel, slot_rows_params(table, nullptr, nullptr, nullptr, src, out, write, s.a),
+                dev.device_id, stream, f, s.facts, w);
     return;
   }
   // pageable staging would make the copy synchronous: an error before any write (an empty one has no memory to pin)
@@ -154,9 +151,10 @@ void stage_slot_rows(TensorView table, TensorView facts_in, TensorView staging, 
                                                cudaMemcpyHostToDevice, stream));
   }
   if (guard_event != nullptr) TVM_FFI_CHECK_CUDA_ERROR(cudaEventRecord(guard_event, stream));
-  launch_slot_rows(slot_rows_params(table, s.facts + kFactRow * w, s.facts + kFactStart * w, s.facts + kFactKv * w,
-                                    src, out, write, s.a),
-                   dev.device_id, stream);
+  launch_fill(slot_rows_kernel,
+              slot_rows_params(table, s.facts + kFactRow * w, s.facts + kFactStart * w, s.facts + kFactKv * w, src,
+                               out, write, s.a),
+              dev.device_id, stream);
 }
 
 }  // namespace cuda
