@@ -799,16 +799,18 @@ def test_dense_slots(llama: Any) -> None:
 def test_batch_view_views_follow_the_buffers(llama: Any) -> None:
     """The batch view's views of transformers' buffers (write index row 0, input ids, positions) and of its own write
     slots are made once per token count, and again once a buffer is replaced or the write slots outgrow theirs: never a
-    view of a buffer the forward no longer uses."""
+    view of a buffer the forward no longer uses. The read index's row 0 likewise, once per buffer."""
     with installed_adapter(llama) as ad:
         io = SimpleNamespace(write_index_storage=torch.arange(128).view(2, 64), input_ids=torch.arange(64) + 1000,
-                             position_ids=torch.arange(64) + 2000)
+                             position_ids=torch.arange(64) + 2000, read_index_storage=torch.arange(256).view(2, 128))
 
         def views(n: int) -> tuple[torch.Tensor, ...]:
             got = ad._views(io, n)
             bases = (io.write_index_storage, io.input_ids, io.position_ids, ad._out)
             for v, b in zip(got, bases, strict=True):
                 assert v.shape == (n,) and v.data_ptr() == b.data_ptr() and torch.equal(v, b.view(-1)[:n])
+            row = io.read_index_storage[0]
+            assert ad._read_row.data_ptr() == row.data_ptr() and torch.equal(ad._read_row, row)
             return got
 
         first = views(5)
@@ -816,6 +818,8 @@ def test_batch_view_views_follow_the_buffers(llama: Any) -> None:
         io.input_ids = torch.arange(64) + 3000  # transformers replaced a buffer
         replaced = views(5)
         assert replaced is not first and views(5) is replaced
+        io.read_index_storage = torch.arange(512).view(2, 256) + 7  # the read index replaced: a new row
+        assert views(5) is not replaced
         grown = views(ad._out.shape[0] + 1)  # the write slots outgrow their buffer: a new one
         assert grown[3].data_ptr() != replaced[3].data_ptr() and views(5) is not replaced
 

@@ -260,8 +260,9 @@ class HFPoolAdapter:
         self._stage_rows = SlotRowStager(self.req_to_token, self.stride, self.page, self.req_rows, backend)
         self._out = torch.empty(0, dtype=torch.int64, device=self.device)
         # _views: the buffers its views are of, and the views by token count
-        self._view_bases: tuple[torch.Tensor | None, ...] = (None,) * 4
+        self._view_bases: tuple[torch.Tensor | None, ...] = (None,) * 5
         self._view_cache: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._read_row = torch.zeros(0, dtype=torch.int64)  # the read index's group-0 row (_views)
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(self.req_rows - 1, -1, -1))
         # the hashed blocks recorded (the ledger keeps neither positions nor parents): per block its content hash, and
@@ -360,22 +361,23 @@ class HFPoolAdapter:
         """The forward's ``n`` write-index entries, input ids and positions (views of transformers' persistent
         buffers) and converted write slots (the front of one buffer of the canary's, kept across forwards: each
         forward's slot_rows, stage copy and plan are queued before the next one's conversion overwrites it). The views
-        are made once per ``n`` while those buffers stay the same objects: each costs microseconds every forward."""
+        are made once per ``n`` while those buffers stay the same objects: each costs microseconds every forward. The
+        read index's row (:meth:`_read_slots`) is made once per buffer too."""
         if self._out.shape[0] < n:
             self._out = torch.empty(max(n, 2 * self._out.shape[0]), dtype=torch.int64, device=self.device)
-        bases = (io.write_index_storage, io.input_ids, io.position_ids, self._out)
+        bases = (io.write_index_storage, io.input_ids, io.position_ids, self._out, io.read_index_storage)
         if not all(map(operator.is_, bases, self._view_bases)):
-            self._view_bases, self._view_cache = bases, {}
+            self._view_bases, self._view_cache, self._read_row = bases, {}, bases[4][0]
         views = self._view_cache.get(n)
         if views is None:
             views = self._view_cache[n] = (bases[0][0, :n], bases[1][:n], bases[2][:n], bases[3][:n])
         return views
 
     def _read_slots(self, io: Any, batch: _Batch, total: int, write: torch.Tensor) -> torch.Tensor:
-        """Sparse slots of positions 0..prefix+extend-1 of every request, in batch order (what the attention reads;
-        ``write``: the forward's write-index entries)."""
+        """Sparse slots of positions 0..prefix+extend-1 of every request, in batch order, then possibly stale entries
+        that no request's segment reaches (what the attention reads; ``write``: the forward's write-index entries)."""
         if int(io.true_read_sizes[0]) == total:
-            return io.read_index_storage[0, :total]  # type: ignore[no-any-return]
+            return self._read_row  # its first `total` entries: no view made per forward
         if int(io.true_read_sizes[0]) == 0 and total == write.shape[0]:  # no request reads cache: no prefix
             return write
         if not self._warned_fallback:
@@ -677,21 +679,23 @@ class _Session:
     def _lifecycle(self, on: Callable[..., Any], device: bool = False
                    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """A wrapper maker: transformers' own call, then ``on(out, *args, **kwargs)`` (the canary's bookkeeping, whose
-        result is returned), its host time added to ``stats["lifecycle_us"]`` (canary time outside the bracket: these
-        calls run in transformers' scheduler and update). ``device``: both queue device work, so both run with the
-        compute stream current (:meth:`_enter`)."""
+        result is returned). The wrapper's host time but transformers' call is added to ``stats["lifecycle_us"]``
+        (canary time outside the bracket: these calls run in transformers' scheduler and update). ``device``: both
+        queue device work, so both run with the compute stream current (:meth:`_enter`; its switch is counted too)."""
         def make(orig: Callable[..., Any]) -> Callable[..., Any]:
             def wrapped(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
                 entered = self._enter() if device else None
                 try:
-                    out = orig(*args, **kwargs)
-                    t0 = time.perf_counter()
+                    t1 = time.perf_counter()
                     try:
-                        return on(out, *args, **kwargs)
+                        out = orig(*args, **kwargs)
                     finally:
-                        self.stats["lifecycle_us"] += int(1e6 * (time.perf_counter() - t0))
+                        t2 = time.perf_counter()
+                    return on(out, *args, **kwargs)
                 finally:
                     self._leave(entered)
+                    self.stats["lifecycle_us"] += int(1e6 * (time.perf_counter() - t2 + t1 - t0))
             return wrapped
         return make
 
