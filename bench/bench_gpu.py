@@ -641,7 +641,8 @@ def fmt(v: float | None, d: int = 1) -> str:
     return "-" if v is None else f"{v:.{d}f}"
 
 
-def render(results: list[Result], fl: Floors, extra: dict[str, Any], device: str) -> str:
+def render(results: list[Result], issue13: list[dict[str, Any]], fl: Floors, extra: dict[str, Any],
+           device: str) -> str:
     lines = [f"# kvcanary GPU benchmark ({device})", "",
              f"Floors (same run): read {fl.read_gbs:.0f} GB/s (16-byte streaming reduction over 4.25 GiB), "
              f"random 32-byte gathers {fl.gather32_per_s / 1e9:.2f} G/s, random 64-byte gathers "
@@ -664,7 +665,7 @@ def render(results: list[Result], fl: Floors, extra: dict[str, Any], device: str
     if notes:
         lines += ["", "Notes:", *notes]
     lines += ["", "Issue #13's kernel rows (warm; its targets, set for an H100):", "",
-              render_issue13(issue13_rows(results))]
+              render_issue13(issue13)]
     c = extra.get("chunk")
     if c is not None:
         lines += ["", f"16k-token chunk write: ours {c['ours_us']:.1f} µs vs serial one-thread-per-request "
@@ -739,11 +740,12 @@ def main() -> None:
             extra["breakdown_us"] = breakdown()
         except Exception as exc:  # the profiler is optional: the table above is the record
             print("breakdown skipped:", exc)
-    md = render(results, fl, extra, device)
+    issue13 = issue13_rows(results)
+    md = render(results, issue13, fl, extra, device)
     print(md)
     data = {"device": device, "torch": torch.__version__, "floors": asdict(fl),
             "results": [{**asdict(r), "scenario": asdict(r.scenario)} for r in results],
-            "issue13": issue13_rows(results), **extra,
+            "issue13": issue13, **extra,
             "command": "python -m bench.bench_gpu"}
     tag = "h100" if "H100" in device else "h200" if "H200" in device else "gpu"
     tag += "_subset" if only else ""  # a partial run never overwrites the full record

@@ -24,6 +24,9 @@ class CurrentStream:
         return self._stream
 
 
+Was = tuple[torch.cuda.Stream, int]  # what StreamSwitch.enter found current: the device's stream, the current device
+
+
 class StreamSwitch:
     """``stream`` made the current stream (and its device the current device) by :meth:`enter`, and what was current
     before made current again by :meth:`leave`: torch's own setters, without ``torch.cuda.stream``'s Python (tens of
@@ -37,14 +40,14 @@ class StreamSwitch:
         self.stream = stream
         self._current = CurrentStream(stream.device_index)
 
-    def enter(self) -> tuple[torch.cuda.Stream, int]:
+    def enter(self) -> Was:
         """Make ``stream`` current; returns what :meth:`leave` restores: the stream current on its device and the
         current device, before."""
         was = self._current.get(), torch._C._cuda_getDevice()
         _set_stream(self.stream)
         return was
 
-    def leave(self, was: tuple[torch.cuda.Stream, int]) -> None:
+    def leave(self, was: Was) -> None:
         """Make current again what :meth:`enter` returned (``was``)."""
         stream, device = was
         _set_stream(stream)

@@ -25,7 +25,7 @@ from kvcanary.manager import install as install_manager
 from kvcanary.ops.slot_rows import SlotRowStager
 from kvcanary.ops.types import SourceSpec
 from kvcanary.report import ReportSink, Violation, WindowReport
-from kvcanary.streams import StreamSwitch
+from kvcanary.streams import StreamSwitch, Was
 from kvcanary.truth import new_token_truth
 
 logger = logging.getLogger("kvcanary")
@@ -596,7 +596,7 @@ class _Session:
             self._check_writes((batch.batch_size, batch.num_tokens))
         return out
 
-    def _enter(self) -> tuple[StreamSwitch, tuple[torch.cuda.Stream, int]] | None:
+    def _enter(self) -> tuple[StreamSwitch, Was] | None:
         """Make transformers' compute stream current (None: it has none, nothing done); what :meth:`_leave` takes.
 
         Every device op of this cache runs on that one stream, so host order orders them and a step queues no event
@@ -613,7 +613,7 @@ class _Session:
         return switch, switch.enter()
 
     @staticmethod
-    def _leave(entered: tuple[StreamSwitch, tuple[torch.cuda.Stream, int]] | None) -> None:
+    def _leave(entered: tuple[StreamSwitch, Was] | None) -> None:
         """Make current again what was current before :meth:`_enter` (``entered``: what it returned)."""
         if entered is not None:
             entered[0].leave(entered[1])
