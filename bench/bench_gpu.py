@@ -21,7 +21,7 @@ from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.plan import plan_forward, plan_sweep
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec
 from kvcanary.ops.verify import verify
-from kvcanary.ops.write import write, write_workspace
+from kvcanary.ops.write import write, write_carries, write_workspace
 from kvcanary.program import side_branch
 from kvcanary_schema import (
     DEFAULT_SWEEP_SLICE,
@@ -163,6 +163,7 @@ class Scenario:
     target: str = "<= max(10 us, 1.25 x floor)"
     structural: bool = True  # WriteCheck.STRUCTURAL on the HEAD write, as the runtime's default
     look_back: bool = True  # the writes get their workspaces (the runtime's): long writes in small tiles
+    carries: bool = True  # no seal: the TAIL write takes the HEAD write's kept chain carries (the runtime's)
 
 
 @dataclass
@@ -226,6 +227,10 @@ def scenarios(quick: bool) -> list[Scenario]:
     for fp, ext in (("none", 4096), ("none", 16384), ("all", 4096)):
         out.append(Scenario(f"fp {fp} extend bs1 pre0 ext{ext} K perm (no look-back)", 1, 0, ext, 1, fp=fp,
                             look_back=False, target="baseline (the look-back's rows above)"))
+    # the TAIL write scanning again instead of taking the HEAD write's kept carries, same run
+    for ext in (4096, 16384):
+        out.append(Scenario(f"fp none extend bs1 pre0 ext{ext} K perm (TAIL scans)", 1, 0, ext, 1, carries=False,
+                            target="baseline (the kept carries' rows above)"))
     return out + policy_scenarios()
 
 
@@ -302,6 +307,9 @@ class State:
         self.ext = torch.full((sc.bs,), sc.ext, device=DEV)
         self.sink = Sink.allocate(1024, DEV)
         self.ws = tuple(write_workspace(sc.bs * sc.ext, DEV) if sc.look_back else None for _ in range(2))
+        keep = sc.carries and sc.fp not in ("default", "all")  # no seal (the HEAD write runs before the forward)
+        self.carries = write_carries(sc.bs * sc.ext, DEV) if keep else None
+        self.keep, self.take = (int(WriteCheck.RECORD_CARRIES), int(WriteCheck.REUSE_CARRIES)) if keep else (0, 0)
         self.plan = torch.zeros(sc.bs, NUM_PLAN_COLS, dtype=torch.int64, device=DEV)
         self.status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=DEV)
         tbl = self.table.long()
@@ -383,7 +391,7 @@ class State:
         branch = self.sc.branch if self.seal is not None and torch.cuda.is_current_stream_capturing() else "serial"
         if self.seal is None:
             write(h, Stage.HEAD, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s,
-                  checks=head_checks, workspace=self.ws[0], backend=backend)
+                  checks=head_checks | self.keep, workspace=self.ws[0], carries=self.carries, backend=backend)
         elif branch == "serial":  # the runtime's eager order: the seal, then the reuse check
             seal()
             reuse_check()
@@ -396,8 +404,9 @@ class State:
                     reuse_check()
         if branch == "beside tail":
             tail_verify()
-        write(t, Stage.TAIL, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s, checks=CHECKS,
-              fingerprint=self.fp, workspace=self.ws[1], backend=backend)
+        write(t, Stage.TAIL, self.plan, self.status, self.table, self.ids, self.pos, self.loc, s,
+              checks=CHECKS | self.take, fingerprint=self.fp, workspace=self.ws[1], carries=self.carries,
+              backend=backend)
         if branch == "reuse after tail write":
             reuse_check()
         if branch != "serial":

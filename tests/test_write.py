@@ -16,13 +16,15 @@ from kvcanary.ops import hashes as H
 from kvcanary.ops.fingerprint import fingerprint as fp_op
 from kvcanary.ops.plan import plan_forward
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
-from kvcanary.ops.write import bind_write, powers, write, write_target, write_workspace
+from kvcanary.ops.write import bind_write, powers, write, write_carries, write_target, write_workspace
 from kvcanary.truth import ChainHasher
 from kvcanary_schema import (
     NO_SLOT,
+    NUM_CARRY_COLS,
     NUM_PLAN_COLS,
     NUM_PLAN_STATUS_COLS,
     TOKEN_LIMIT,
+    CarryHeaderCol,
     CounterCol,
     FailReason,
     FingerprintMode,
@@ -397,8 +399,8 @@ def make_case(seed: int, *, halves: int = 2, swa: bool = False, fp: bool = False
                 torch.tensor(loc, dtype=torch.int64), checks, tp, fpr, written)
 
 
-def run_case(case: Case, backend: str, cap: int = 4096,
-             workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, Sink]:
+def run_case(case: Case, backend: str, cap: int = 4096, workspace: torch.Tensor | None = None,
+             checks: int | None = None, carries: torch.Tensor | None = None) -> tuple[torch.Tensor, Sink]:
     rec = case.group.records.clone()
     g = GroupView(rec, case.group.group, case.group.reserved_slots, case.group.swa_map)
     sink = Sink.allocate(cap)
@@ -409,7 +411,8 @@ def run_case(case: Case, backend: str, cap: int = 4096,
                    token_pool=case.pool, fingerprint=case.fp, table=case.table)
     else:
         write(g, case.stage, case.plan, case.status, case.table, case.ids, case.pos, case.loc, sink,
-              checks=case.checks, token_pool=case.pool, fingerprint=case.fp, workspace=workspace, backend=backend)
+              checks=case.checks if checks is None else checks, token_pool=case.pool, fingerprint=case.fp,
+              workspace=workspace, carries=carries, backend=backend)
     return rec, sink
 
 
@@ -548,7 +551,13 @@ def _args() -> dict[str, object]:
     ({"table": torch.zeros(8, dtype=torch.int64)}, "table"),
     ({"table": torch.zeros(1, 8, dtype=torch.float32)}, "table"),
     ({"sink": "sink"}, "sink"),
-    ({"checks": 8}, "checks"),
+    ({"checks": 2 * max(int(c) for c in WriteCheck)}, "checks"),
+    ({"checks": int(WriteCheck.RECORD_CARRIES)}, "carries tensor"),
+    ({"checks": int(WriteCheck.REUSE_CARRIES | WriteCheck.RECORD_CARRIES), "carries": write_carries(4, "cpu")},
+     "exclude"),
+    ({"checks": int(WriteCheck.REUSE_CARRIES), "carries": torch.zeros(5, 4, dtype=torch.int64)}, "carries"),
+    ({"carries": torch.zeros(0, NUM_CARRY_COLS, dtype=torch.int64)}, "header row"),
+    ({"carries": write_carries(4, "cpu").int()}, "carries"),
     ({"checks": -1}, "checks"),
     ({"token_pool": "pool"}, "token_pool"),
     ({"backend": "tpu"}, "backend"),
@@ -614,7 +623,8 @@ def test_native_entry_rejects_bad_arguments() -> None:
                                 "table": a["table"], "ids": a["input_ids"], "pos": a["positions"],
                                 "loc": a["out_cache_loc"], "rows": sink.rows, "count": sink.count,
                                 "counters": sink.counters, "step": sink.step, "checks": 0, "pt": e, "pl": e,
-                                "has_pool": 0, "off": 0, "fpt": e, "mode": 0, "stride": 1, "page": 1, "ws": e}
+                                "has_pool": 0, "off": 0, "fpt": e, "mode": 0, "stride": 1, "page": 1, "ws": e,
+                                "carries": e}
         v.update(kw)
         mod.write(*v.values())
 
@@ -645,6 +655,50 @@ def test_native_entry_rejects_bad_arguments() -> None:
         call(has_pool=1, pt=torch.zeros(2, 4, dtype=torch.int64), pl=torch.zeros(3, dtype=torch.int64))
     flags = int(PlanFlag.SEED_IS_HEAD)
     assert flags  # the plan flags are schema values, never literals
+
+
+def test_carries_are_checked_and_change_no_result_on_cpu() -> None:
+    """The CPU and torch backends check the carries and scan: the same outputs with the carry bits (record, then
+    reuse over an armed header of garbage rows), and nothing armed or written in the carries."""
+    assert write_carries(7, "cpu").shape == (8, NUM_CARRY_COLS) and not write_carries(7, "cpu").any()
+    for bad in (-1, 2.5, True):
+        with pytest.raises(CanaryInputError, match="max_tokens"):
+            write_carries(bad, "cpu")  # type: ignore[arg-type]
+    case = make_case(3, checks=ALL_CHECKS, fp=True)
+    garbage = torch.randint(-9, 99, (64, NUM_CARRY_COLS), dtype=torch.int64)
+    garbage[0, int(CarryHeaderCol.ARMED)], garbage[0, int(CarryHeaderCol.STEP)] = 1, 17  # run_case's step
+    for backend in ("torch", "cpu"):
+        want_rec, want_sink = run_case(case, backend)
+        for bit in (WriteCheck.RECORD_CARRIES, WriteCheck.REUSE_CARRIES):
+            carries = garbage.clone()
+            got_rec, got_sink = run_case(case, backend, checks=case.checks | int(bit), carries=carries)
+            assert torch.equal(got_rec, want_rec) and ring_rows(got_sink) == ring_rows(want_sink)
+            assert torch.equal(got_sink.counters, want_sink.counters) and torch.equal(carries, garbage)
+
+
+def test_native_entry_checks_the_carries() -> None:
+    mod = _native.module("cpu")
+    a = _args()
+    sink = a["sink"]
+    assert isinstance(sink, Sink)
+    e = torch.empty(0, dtype=torch.int64)
+    both = int(WriteCheck.RECORD_CARRIES | WriteCheck.REUSE_CARRIES)
+
+    def call(checks: int, carries: torch.Tensor) -> None:
+        mod.write(a["group"].records, e, 0, 0, 0, 1, a["plan"], a["status"], a["table"],  # type: ignore[attr-defined]
+                  a["input_ids"], a["positions"], a["out_cache_loc"], sink.rows, sink.count, sink.counters, sink.step,
+                  checks, e, e, 0, 0, e, 0, 1, 1, e, carries)
+
+    call(0, e)
+    call(int(WriteCheck.REUSE_CARRIES), write_carries(3, "cpu"))
+    with pytest.raises(ValueError, match="exclude"):
+        call(both, write_carries(3, "cpu"))
+    with pytest.raises(ValueError, match="carries must have 2 dims"):
+        call(int(WriteCheck.RECORD_CARRIES), e)
+    with pytest.raises(ValueError, match="carries must be"):
+        call(int(WriteCheck.RECORD_CARRIES), torch.zeros(3, NUM_CARRY_COLS + 1, dtype=torch.int64))
+    with pytest.raises(TypeError, match="carries"):
+        call(0, torch.zeros(3, dtype=torch.int32))
 
 
 def test_write_workspace_is_empty_on_cpu_and_changes_no_result() -> None:

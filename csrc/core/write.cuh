@@ -69,6 +69,8 @@ struct WriteArgs {
   int64_t fp_sources;
   int32_t fp_mode;
   int64_t fp_layer_stride;
+  int64_t* carries;  // [1 + carry_cap, kNumCarryCols] (row 0: CarryHeaderCol); nullptr unless a carry bit is set
+  int64_t carry_cap;
 };
 
 KVC_HD CanaryRecord& write_record(const WriteArgs& a, int64_t slot, int64_t half) {
@@ -336,7 +338,8 @@ inline WriteArgs make_write_args(TensorView records, TensorView swa_map, int64_t
                                  TensorView ring_rows, TensorView ring_count, TensorView counters, TensorView step,
                                  int64_t checks, TensorView pool_tokens, TensorView pool_lens, int64_t has_pool,
                                  int64_t token_offset, TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride,
-                                 int64_t table_page) {
+                                 int64_t table_page, TensorView carries) {
+  static_assert(kNumCarryHeaderCols <= kNumCarryCols, "the carries header lives in row 0");
   check_i64_tensor(records, records, 3, "records", "records");
   constexpr int64_t kFields = static_cast<int64_t>(sizeof(CanaryRecord) / sizeof(int64_t));
   TVM_FFI_CHECK(records.size(2) == kFields && (records.size(1) == 1 || records.size(1) == MAX_HALVES), ValueError)
@@ -377,6 +380,14 @@ inline WriteArgs make_write_args(TensorView records, TensorView swa_map, int64_t
                   ValueError)
         << "fp_table must be [H >= " << halves << ", n >= 1, " << kNumFpSourceCols << "]";
   }
+  const bool record = (checks & bits(WriteCheck::RECORD_CARRIES)) != 0;
+  const bool reuse = (checks & bits(WriteCheck::REUSE_CARRIES)) != 0;
+  TVM_FFI_CHECK(!(record && reuse), ValueError) << "checks: RECORD_CARRIES and REUSE_CARRIES exclude each other";
+  check_i64_tensor(carries, records, record || reuse ? 2 : carries.ndim(), "carries", "records");
+  if (record || reuse) {
+    TVM_FFI_CHECK(carries.size(0) >= 1 && carries.size(1) == kNumCarryCols, ValueError)
+        << "carries must be [1 + entries, " << kNumCarryCols << "] with the carry bits";
+  }
   WriteArgs a{};
   a.records = static_cast<CanaryRecord*>(records.data_ptr());
   a.halves = halves;
@@ -405,6 +416,8 @@ inline WriteArgs make_write_args(TensorView records, TensorView swa_map, int64_t
   a.fp_sources = has_fp ? fp_table.size(1) : 0;
   a.fp_mode = static_cast<int32_t>(fp_mode);
   a.fp_layer_stride = fp_layer_stride;
+  a.carries = record || reuse ? static_cast<int64_t*>(carries.data_ptr()) : nullptr;
+  a.carry_cap = record || reuse ? carries.size(0) - 1 : 0;
   return a;
 }
 

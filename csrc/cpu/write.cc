@@ -13,7 +13,10 @@
 //         fp_table: int64 [H' >= H, n, NUM_FP_SOURCE_COLS], fp_mode: int64 (FingerprintMode; NONE = none),
 //         fp_layer_stride: int64, table_page: int64 (slots per table entry, as plan_forward's),
 //         workspace: int64 [W] (the CUDA tile scan's look-back scratch, docs/ops-contract.md 5: zeroed once, one write
-//         op's own; 0-element = none; this serial backend checks it and needs none)) -> None
+//         op's own; 0-element = none; this serial backend checks it and needs none),
+//         carries: int64 [1 + E, NUM_CARRY_COLS] with a carry bit in checks, else any int64 tensor (the CUDA scan's
+//         kept chain carries, docs/ops-contract.md 5; this backend checks it, never arms it and computes every chain
+//         itself: the same records)) -> None
 //   (the same order as verify's native entry for the shared leading and trailing arguments)
 #include <tvm/ffi/function.h>
 
@@ -25,13 +28,14 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
            TensorView plan, TensorView status, TensorView table, TensorView input_ids, TensorView positions,
            TensorView out_cache_loc, TensorView ring_rows, TensorView ring_count, TensorView counters, TensorView step,
            int64_t checks, TensorView pool_tokens, TensorView pool_lens, int64_t has_pool, int64_t token_offset,
-           TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride, int64_t table_page, TensorView workspace) {
+           TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride, int64_t table_page, TensorView workspace,
+           TensorView carries) {
   check_device_type(records, kDLCPU, "records");
   check_i64_tensor(workspace, records, 1, "workspace", "records");
   const WriteArgs a = make_write_args(records, swa_map, is_swa, reserved_slots, tag0, tag1, plan, status, table,
                                       input_ids, positions, out_cache_loc, ring_rows, ring_count, counters, step,
                                       checks, pool_tokens, pool_lens, has_pool, token_offset, fp_table, fp_mode,
-                                      fp_layer_stride, table_page);
+                                      fp_layer_stride, table_page, carries);
   const int64_t nseg = plan_num_segments(a.status, a.plan_cap);
   for (int64_t seg = 0; seg < nseg; ++seg) {
     const int64_t* row = a.plan + seg * kNumPlanCols;

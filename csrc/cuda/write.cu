@@ -269,6 +269,86 @@ struct Item {
   WriteEntry e;
 };
 
+// The carries header of a RECORD_CARRIES launch (block 0, thread 0): armed when every entry's row fits.
+__device__ __forceinline__ void carries_header(const WriteArgs& a, bool armed, int64_t total) {
+  int64_t* hd = a.carries;
+  hd[col(CarryHeaderCol::STEP)] = a.sink.step[0];
+  hd[col(CarryHeaderCol::TOTAL)] = total;
+  hd[col(CarryHeaderCol::DONE)] = 0;
+  hd[col(CarryHeaderCol::ARMED)] = armed ? 1 : 0;
+}
+
+// Entries a REUSE_CARRIES launch takes from the carries, -1: none (it scans). Block-uniform (thread 0 reads the
+// header into shared memory), and grid-uniform: a block that scanned while another reused would wait on look-back
+// aggregates nobody publishes. So the header changes only after every block has read it: a block that reuses counts
+// itself in DONE when it ends (carries_done), and the last one disarms it (a carry row is used once: a later launch
+// of the same step without a recording write before it scans). ALL fingerprints (block-shared row sums) scan.
+__device__ __forceinline__ int64_t carries_reused(const WriteArgs& a, int64_t* s_total) {
+  if (a.carries == nullptr || (a.checks & bits(WriteCheck::REUSE_CARRIES)) == 0 ||
+      a.fp_mode == static_cast<int32_t>(FingerprintMode::ALL)) {
+    return -1;
+  }
+  if (threadIdx.x == 0) {
+    const volatile int64_t* hd = a.carries;
+    const int64_t armed = hd[col(CarryHeaderCol::ARMED)], step = hd[col(CarryHeaderCol::STEP)];
+    const int64_t total = hd[col(CarryHeaderCol::TOTAL)];
+    *s_total = armed == 1 && step == a.sink.step[0] && total >= 0 && total <= a.carry_cap ? total : -1;
+  }
+  __syncthreads();
+  return *s_total;
+}
+
+// The end of a block that reused the carries (thread 0, after its header read was used): the last one disarms.
+__device__ __forceinline__ void carries_done(const WriteArgs& a) {
+  int64_t* hd = a.carries;
+  if (atomicAdd(reinterpret_cast<unsigned long long*>(hd + col(CarryHeaderCol::DONE)), 1ULL) == gridDim.x - 1ULL) {
+    hd[col(CarryHeaderCol::DONE)] = 0;
+    hd[col(CarryHeaderCol::ARMED)] = 0;
+  }
+}
+
+// Entries [0, total) of a write whose chain carries a RECORD_CARRIES write kept: each thread applies its entries as
+// the scan path does (structural check, seeds, store, EXPECT_NEW), with the kept exclusive carry instead of a scan.
+// A kept row that names no entry of this plan (carries not from this forward's recording write) is not applied and
+// counts one INPUT_ERRORS per half.
+template <bool kFp>
+__device__ __forceinline__ void write_reused(const WriteArgs& a, int64_t nseg, int64_t total,
+                                             WriteTally (&tally)[MAX_HALVES]) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kWriteThreads + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * kWriteThreads) {
+    const int64_t* c = a.carries + (1 + e) * kNumCarryCols;
+    const int64_t s = c[col(CarryCol::SEGMENT)], j = c[col(CarryCol::J)], last_j = c[col(CarryCol::LAST_J)];
+    const int64_t* row = a.plan + (s >= 0 && s < nseg ? s : 0) * kNumPlanCols;
+    if (s < 0 || s >= nseg || j < 0 || j >= segment_entries(a, row) || last_j < -1 || last_j >= j) {
+      for (int64_t h = 0; h < a.halves; ++h) ++tally[h].input_errors;
+      continue;
+    }
+    const WriteEntry en = write_entry_load(a, row, j);
+    const WriteCarry excl{ChainMap{static_cast<uint64_t>(c[col(CarryCol::MUL)]),
+                                   static_cast<uint64_t>(c[col(CarryCol::ADD)])},
+                          last_j};
+    const WriteCarry incl = write_carry_compose(excl, write_entry_carry(en));
+    write_structural(a, row, en);
+    const bool last = j == plan_at(row, PlanCol::WRITE_LEN) - 1;
+    for (int64_t h = 0; h < a.halves; ++h) {
+      const WriteSeed seed = write_seed_value(a, row, h);
+      if (!seed.ok) {
+        if (j == 0) write_emit_seed_error(a, row, h);
+        continue;
+      }
+      uint64_t fp = 0;
+      if constexpr (kFp) {
+        if (en.kind == WriteKind::kWrite) {
+          fp = fingerprint_thread(a.fp_table, a.fp_sources, h, en.slot, en.position, a.fp_mode, a.fp_layer_stride);
+        }
+      }
+      tally[h] = write_tally_add(tally[h], write_entry_store(a, row, h, en, chain_apply(excl.map, seed.h),
+                                                             write_prev_pos(a, row, excl, seed), fp));
+      if (last) write_expect_new(a, row, h, chain_apply(incl.map, seed.h), incl.last_j);
+    }
+  }
+}
+
 template <int kItems, bool kFp>
 __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64_t tile, ScanWorkspace ws) {
   await_prior_kernels();
@@ -299,15 +379,19 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
   }
 
   WriteTally tally[MAX_HALVES] = {{0, 0, 0}, {0, 0, 0}};
+  __shared__ int64_t s_reused;
+  const int64_t reused = carries_reused(a, &s_reused);
+  const bool record = a.carries != nullptr && (a.checks & bits(WriteCheck::RECORD_CARRIES)) != 0;
   // Small batches of short segments (decode): one block, each thread runs its own segment's serial loop (the CPU
   // backend's, PARTIAL fingerprints included: a few bytes per token), with no block scan. Block-uniform decision;
   // range errors were reported above.
   bool serial = false;
   if constexpr (kItems == 1) {
-    if (gridDim.x == 1 && nseg <= kWriteThreads &&
+    if (reused < 0 && gridDim.x == 1 && nseg <= kWriteThreads &&
         (!kFp || a.fp_mode == static_cast<int32_t>(FingerprintMode::PARTIAL))) {
       const int64_t len = static_cast<int64_t>(threadIdx.x) < nseg ? segment_entries(a, own.v) : 0;
       serial = __syncthreads_or(len > kSerialMaxLen ? 1 : 0) == 0;
+      if (serial && record && threadIdx.x == 0) carries_header(a, false, 0);  // nothing kept: the reader scans
       if (serial && len > 0) write_segment_serial(a, a.plan + static_cast<int64_t>(threadIdx.x) * kNumPlanCols, len,
                                                   tally);
       // Block-uniform. Each thread flushes its own counts: a block-wide sum (two barriers that wait for the slowest
@@ -322,14 +406,16 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
   }
   // With a workspace (several blocks, one tile each): this block's tile is its ticket, and the launch's generation.
   __shared__ int64_t s_ws[2];
-  if (ws.data != nullptr) {
+  if (ws.data != nullptr && reused < 0) {  // a reusing launch takes no tickets (it never looks back)
     if (threadIdx.x == 0) {
       s_ws[0] = static_cast<int64_t>(atomicAdd(reinterpret_cast<unsigned long long*>(ws.data + kWsTicket), 1ULL));
       s_ws[1] = load_acquire(ws.data + kWsGen);
     }
     __syncthreads();
   }
-  if (!serial) {  // block-uniform
+  if (reused >= 0) {  // grid-uniform
+    write_reused<kFp>(a, nseg, reused, tally);
+  } else if (!serial) {  // block-uniform
     // Dense entry space: segment s owns entries [off_s, off_s + entries_s). Each thread sums a chunk of segments.
     const int64_t chunk = (nseg + kWriteThreads - 1) / kWriteThreads;
     const int64_t c_lo = threadIdx.x * chunk, c_hi = c_lo + chunk < nseg ? c_lo + chunk : nseg;
@@ -339,6 +425,7 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     }
     block_exclusive_sum<kWriteThreads, 1>(chunk_off, total_arr, sh_sum);
     const int64_t total = total_arr[0];
+    if (record && blockIdx.x == 0 && threadIdx.x == 0) carries_header(a, total <= a.carry_cap, total);
 
     // with a workspace the grid covers every tile once (the host launches it so): one iteration
     for (int64_t tile_start = (ws.data != nullptr ? s_ws[0] : static_cast<int64_t>(blockIdx.x)) * tile;
@@ -435,6 +522,15 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
       if (!head && !before.head && it[i].row == first_row) ex = write_carry_compose(carry_in, ex);
       excl[i] = ex;
       incl[i] = write_carry_compose(ex, it[i].row != nullptr ? write_entry_carry(it[i].e) : write_carry_identity());
+      const int64_t entry = tile_start + static_cast<int64_t>(threadIdx.x) * kItems + i;
+      if (record && it[i].row != nullptr && entry < a.carry_cap) {
+        int64_t* c = a.carries + (1 + entry) * kNumCarryCols;
+        c[col(CarryCol::MUL)] = static_cast<int64_t>(ex.map.mul);
+        c[col(CarryCol::ADD)] = static_cast<int64_t>(ex.map.add);
+        c[col(CarryCol::LAST_J)] = ex.last_j;
+        c[col(CarryCol::SEGMENT)] = (it[i].row - a.plan) / kNumPlanCols;
+        c[col(CarryCol::J)] = it[i].e.j;
+      }
     }
 
     uint64_t fpv[MAX_HALVES] = {0, 0};  // the fingerprints of this thread's token (kFp: kItems == 1)
@@ -499,8 +595,9 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     for (int64_t h = 0; h < a.halves; ++h) {
       write_tally_flush(a, h, WriteTally{counts[3 * h], counts[3 * h + 1], counts[3 * h + 2]});
     }
+    if (reused >= 0) carries_done(a);
     // the launch's last block restores the workspace for the next launch (every block has read what it needed)
-    if (ws.data != nullptr &&
+    if (ws.data != nullptr && reused < 0 &&
         atomicAdd(reinterpret_cast<unsigned long long*>(ws.data + kWsDone), 1ULL) == gridDim.x - 1ULL) {
       volatile int64_t* header = ws.data;
       header[kWsTicket] = 0;
@@ -516,12 +613,13 @@ void write(TensorView records, TensorView swa_map, int64_t is_swa, int64_t reser
            TensorView plan, TensorView status, TensorView table, TensorView input_ids, TensorView positions,
            TensorView out_cache_loc, TensorView ring_rows, TensorView ring_count, TensorView counters, TensorView step,
            int64_t checks, TensorView pool_tokens, TensorView pool_lens, int64_t has_pool, int64_t token_offset,
-           TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride, int64_t table_page, TensorView workspace) {
+           TensorView fp_table, int64_t fp_mode, int64_t fp_layer_stride, int64_t table_page, TensorView workspace,
+           TensorView carries) {
   check_cuda(records, "records");
   const WriteArgs a = make_write_args(records, swa_map, is_swa, reserved_slots, tag0, tag1, plan, status, table,
                                       input_ids, positions, out_cache_loc, ring_rows, ring_count, counters, step,
                                       checks, pool_tokens, pool_lens, has_pool, token_offset, fp_table, fp_mode,
-                                      fp_layer_stride, table_page);
+                                      fp_layer_stride, table_page, carries);
   check_i64_tensor(workspace, records, 1, "workspace", "records");
   const int64_t ws_tiles = workspace.size(0) > kWsHeader ? (workspace.size(0) - kWsHeader) / kWsTileCols : 0;
   const DLDevice dev = records.device();

@@ -222,10 +222,13 @@ class DeviceProgram:
 
         def write(stage: Stage) -> BoundOp:
             checks = self._checks | (self._structural if stage == Stage.HEAD and gi == 0 else 0)
+            if g.write_carries is not None:  # the pre stage's HEAD write keeps its scan for the TAIL write
+                checks |= int(WriteCheck.RECORD_CARRIES if stage == Stage.HEAD else WriteCheck.REUSE_CARRIES)
             fp = g.fingerprint if stage == Stage.TAIL else g.seal
             target = write_target(g.views(stage), stage, g.status, table, st.sink, checks=checks,
                                   token_pool=st.token_pool, fingerprint=fp, table_page=page,
-                                  workspace=g.write_workspaces[stage == Stage.TAIL], backend=b)
+                                  workspace=g.write_workspaces[stage == Stage.TAIL], carries=g.write_carries,
+                                  backend=b)
             return target.bind(g.plan, st.input_ids, st.positions, st.out_cache_loc).frozen()
 
         def stripe() -> list[BoundOp]:

@@ -22,7 +22,7 @@ from kvcanary.adapter import GroupSpec, PoolDescription, TransferBuffer
 from kvcanary.config import CanaryConfig, CoveragePolicy, HalfCoverage, LayerCoverage
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, TokenPool
-from kvcanary.ops.write import write_workspace
+from kvcanary.ops.write import write_carries, write_workspace
 
 UPLOAD_ROWS = 5  # rows of CanaryState.truth_rows
 
@@ -52,6 +52,9 @@ class GroupState:
     # per write op (HEAD write or seal, TAIL write): its own look-back workspace (ops.write.write_workspace; cuda
     # backend only, none for the others)
     write_workspaces: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    # the chain carries the pre stage's HEAD write keeps for the TAIL write (ops.write.write_carries; cuda backend
+    # without a seal only: the seal, the HEAD write then, may run beside the TAIL write)
+    write_carries: torch.Tensor | None = None
 
     @property
     def window(self) -> int:
@@ -165,7 +168,8 @@ class CanaryState:
             spec, head, tail, records, _i64(cfg.req_capacity, NUM_PLAN_COLS, device=d), status,
             *plan_buffers(stripe), fp, seal, *plan_buffers(reuse),
             write_workspaces=(write_workspace(cfg.token_capacity, d), write_workspace(cfg.token_capacity, d))
-            if self.backend == "cuda" else (None, None))
+            if self.backend == "cuda" else (None, None),
+            write_carries=write_carries(cfg.token_capacity, d) if self.backend == "cuda" and seal is None else None)
 
     def transfer_buffers(self) -> list[TransferBuffer]:
         """The canary records to send with the KV in a prefill->decode transfer, indexable by slot."""
@@ -190,7 +194,8 @@ class CanaryState:
         ts = [self.arena, self.truth_rows, self.batch_rows, self.batch_tokens, self.sweep_plan, self.sweep_status,
               self.plan_status]
         for g in self.groups:
-            ts += [g.head.records, g.tail.records, g.plan, *(w for w in g.write_workspaces if w is not None)]
+            ts += [g.head.records, g.tail.records, g.plan, *(w for w in (*g.write_workspaces, g.write_carries)
+                                                             if w is not None)]
         if self.token_pool is not None:
             ts += [self.token_pool.tokens, self.token_pool.lens]
         return ts

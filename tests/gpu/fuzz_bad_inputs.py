@@ -20,15 +20,17 @@ from kvcanary.ops.stage_batch import stage_batch
 from kvcanary.ops.stage_window import stage_window
 from kvcanary.ops.types import Sink, TokenPool
 from kvcanary.ops.verify import verify
-from kvcanary.ops.write import write, write_workspace
+from kvcanary.ops.write import write, write_carries, write_workspace
 from kvcanary_schema import (
     NUM_PLAN_COLS,
     NUM_PLAN_STATUS_COLS,
     RECORD_NUM_FIELDS,
     STAGE_INLINE_ROWS,
+    CarryHeaderCol,
     FingerprintMode,
     PlanStatusCol,
     Stage,
+    WriteCheck,
 )
 
 from . import test_cuda_ops as TO
@@ -161,6 +163,17 @@ def main() -> None:
         # the look-back writes (several tiles per write) on the same batch, then on garbage plan rows
         ws = (write_workspace(4000, dev), write_workspace(4000, dev))
         run_bracket(b, dev, ring=16, workspaces=ws)
+        # kept carries, then an armed header over garbage rows (each row is checked against the plan before use)
+        carries = write_carries(4000, dev)
+        got = run_bracket(b, dev, ring=16, workspaces=ws, carries=carries)
+        carries.copy_(torch.randint(-9, 5000, tuple(carries.shape), dtype=torch.int64, device=dev))
+        carries[0] = 0
+        carries[0, CarryHeaderCol.ARMED], carries[0, CarryHeaderCol.STEP] = 1, int(got["sink"].step[0])
+        carries[0, CarryHeaderCol.TOTAL] = carries.shape[0] - 1
+        sink = Sink.allocate(8, dev)
+        sink.step.copy_(got["sink"].step)
+        write(b.tail, Stage.TAIL, got["plan"], got["status"], b.table, b.ids, b.pos, b.loc, sink,
+              checks=ALL_CHECKS | int(WriteCheck.REUSE_CARRIES), carries=carries, backend=dev)
         junk = torch.randint(-9, 5000, (3, NUM_PLAN_COLS), dtype=torch.int64, device=dev)
         junk_status = torch.zeros(NUM_PLAN_STATUS_COLS, dtype=torch.int64, device=dev)
         junk_status[PlanStatusCol.NUM_SEGMENTS] = 3

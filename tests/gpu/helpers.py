@@ -180,11 +180,12 @@ def clone_group(g: GroupView) -> GroupView:
 
 def run_bracket(b: Batch, backend: str, *, plan_cap: int | None = None, ring: int = 4096,
                 checks: int = ALL_CHECKS, workspaces: tuple[torch.Tensor, torch.Tensor] | None = None,
-                max_segment_entries: int = 0
+                max_segment_entries: int = 0, carries: torch.Tensor | None = None
                 ) -> dict[str, Any]:
     """plan -> HEAD verify -> HEAD write -> TAIL verify (fp) -> TAIL write (fp), on copies; returns every output.
     ``workspaces``: the HEAD and TAIL writes' look-back workspaces (ops.write.write_workspace);
-    ``max_segment_entries``: the verifies' grid hint (ops.verify.verify)."""
+    ``max_segment_entries``: the verifies' grid hint (ops.verify.verify); ``carries``: the HEAD write keeps its chain
+    carries there and the TAIL write takes them (ops.write.write_carries), as the runtime's writes do."""
     dev = b.head.records.device
     ws = workspaces or (None, None)
     head, tail = clone_group(b.head), clone_group(b.tail)
@@ -197,12 +198,13 @@ def run_bracket(b: Batch, backend: str, *, plan_cap: int | None = None, ring: in
                  expect_prefix=b.expect_prefix, expect_new=b.expect_new, backend=backend)
     verify(head, Stage.HEAD, plan, status, b.table, sink, token_pool=b.pool, max_segment_entries=max_segment_entries,
            backend=backend)
-    write(head, Stage.HEAD, plan, status, b.table, b.ids, b.pos, b.loc, sink, checks=checks, token_pool=b.pool,
-          workspace=ws[0], backend=backend)
+    keep, take = (int(WriteCheck.RECORD_CARRIES), int(WriteCheck.REUSE_CARRIES)) if carries is not None else (0, 0)
+    write(head, Stage.HEAD, plan, status, b.table, b.ids, b.pos, b.loc, sink, checks=checks | keep, token_pool=b.pool,
+          workspace=ws[0], carries=carries, backend=backend)
     verify(tail, Stage.TAIL, plan, status, b.table, sink, token_pool=b.pool, fingerprint=b.fp,
            max_segment_entries=max_segment_entries, backend=backend)
-    write(tail, Stage.TAIL, plan, status, b.table, b.ids, b.pos, b.loc, sink, checks=checks, token_pool=b.pool,
-          fingerprint=b.fp, workspace=ws[1], backend=backend)
+    write(tail, Stage.TAIL, plan, status, b.table, b.ids, b.pos, b.loc, sink, checks=checks | take, token_pool=b.pool,
+          fingerprint=b.fp, workspace=ws[1], carries=carries, backend=backend)
     return {"plan": plan, "status": status, "head": head.records, "tail": tail.records, "sink": sink}
 
 

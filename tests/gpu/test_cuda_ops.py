@@ -21,7 +21,7 @@ from kvcanary.ops.stage_batch import begin_decode, stage_batch
 from kvcanary.ops.stage_window import stage_window
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
 from kvcanary.ops.verify import verify
-from kvcanary.ops.write import write, write_workspace
+from kvcanary.ops.write import write, write_carries, write_workspace
 from kvcanary_schema import (
     INVALIDATE_INLINE_SLOTS,
     NUM_PLAN_COLS,
@@ -29,15 +29,22 @@ from kvcanary_schema import (
     RECORD_NUM_FIELDS,
     STAGE_INLINE_ROWS,
     TOKEN_LIMIT,
+    CarryCol,
+    CarryHeaderCol,
+    CounterCol,
     FingerprintMode,
+    PlanCol,
     PlanStatusCol,
+    RecordField,
     Stage,
+    WriteCheck,
 )
 
 from .helpers import (
     ALL_CHECKS,
     assert_brackets_equal,
     assert_sinks_equal,
+    clone_group,
     consistent_entry_offsets,
     fp_to,
     group_to,
@@ -366,6 +373,82 @@ def test_look_back_writes_match_reference_again_and_again(k: int) -> None:
         for w in ws:  # every launch leaves the ticket and done counters as it found them
             assert w[:2].tolist() == [0, 0], w[:4].tolist()
     assert all(int(w[2]) >= 6 for w in ws)  # ... and moved the generation (each write launched several blocks)
+
+
+# ---- kept chain carries: the TAIL write takes the HEAD write's scan (docs/ops-contract.md 5) -------------------------
+
+def _header(carries: torch.Tensor) -> dict[str, int]:
+    return {c.name: int(carries[0, int(c)]) for c in CarryHeaderCol}
+
+
+@pytest.mark.parametrize("k", range(len(LARGE) + len(LOOK_BACK)))
+def test_kept_carries_match_reference_again_and_again(k: int) -> None:
+    """Every large and look-back case with the HEAD write keeping its chain carries and the TAIL write taking them:
+    the reference's outputs, run after run on the same carries, with and without look-back workspaces; each kept
+    scan is used once (the TAIL write disarms it) unless the TAIL write scans itself (ALL fingerprints)."""
+    case = (LARGE + LOOK_BACK)[k]
+    b = make_batch(100 + k if k < len(LARGE) else 700 + k - len(LARGE), **case)  # type: ignore[arg-type]
+    ref = run_bracket(b, "torch")
+    n = int(b.ids.shape[0])
+    ws, carries = _workspaces(n + 5), write_carries(n + 5, CUDA)
+    for rep in range(3):
+        got = run_bracket(b, "cuda", workspaces=None if rep == 1 else ws, carries=carries)
+        assert_brackets_equal(got, ref, f"case {k} run {rep}")
+        hd = _header(carries)
+        assert hd["DONE"] == 0, hd
+        if case.get("fp_mode") != FingerprintMode.ALL:
+            assert hd["ARMED"] == 0, hd
+
+
+def _tail_write(b: Any, plan: torch.Tensor, status: torch.Tensor, carries: torch.Tensor | None,
+                ) -> tuple[torch.Tensor, Sink]:
+    tail, sink = clone_group(b.tail), Sink.allocate(4096, CUDA)
+    sink.step.fill_(5)  # run_bracket's step
+    write(tail, Stage.TAIL, plan, status, b.table, b.ids, b.pos, b.loc, sink,
+          checks=ALL_CHECKS | (int(WriteCheck.REUSE_CARRIES) if carries is not None else 0), token_pool=b.pool,
+          carries=carries, backend="cuda")
+    return tail.records, sink
+
+
+def test_kept_carries_are_what_the_tail_write_applies() -> None:
+    """The TAIL write applies the kept rows, not a scan of its own: a changed carry moves exactly that entry's chain
+    value; a row naming no entry of the plan is not applied and counts one INPUT_ERRORS per half; a header of another
+    step, or one already taken, makes it scan (the scan's outputs whatever the rows hold)."""
+    b = make_batch(41, bs=3, prefix=[0, 100, 7], ext=[3000, 1500, 900], corrupt=0, halves=2)
+    n = int(b.ids.shape[0])
+    carries = write_carries(n, CUDA)
+    got = run_bracket(b, "cuda", workspaces=_workspaces(n), carries=carries)
+    assert _header(carries)["TOTAL"] == n and _header(carries)["ARMED"] == 0
+    plan, status = got["plan"], got["status"]
+    want, want_sink = _tail_write(b, plan, status, None)
+
+    def slot_of(e: int) -> int:
+        row = carries[1 + e]
+        k = int(plan[int(row[int(CarryCol.SEGMENT)]), int(PlanCol.WRITE_BEGIN)]) + int(row[int(CarryCol.J)])
+        return int(b.loc[k])
+
+    moved, dropped = 1234, 4000
+    moved_slot, dropped_slot = slot_of(moved), slot_of(dropped)
+    carries[1 + moved, int(CarryCol.ADD)] += 1
+    carries[1 + dropped, int(CarryCol.SEGMENT)] = -1
+    carries[0, int(CarryHeaderCol.ARMED)] = 1
+    rec, sink = _tail_write(b, plan, status, carries)
+    differ = set((rec != want).any(dim=2).any(dim=1).nonzero().flatten().tolist())
+    assert differ == {moved_slot, dropped_slot}
+    assert torch.equal(rec[dropped_slot], b.tail.records[dropped_slot])  # not written
+    chain, rest = int(RecordField.PREV_HASH), [int(RecordField.TOKEN), int(RecordField.POSITION)]
+    assert (rec[moved_slot, :, chain] != want[moved_slot, :, chain]).all()  # only its chain value moved
+    assert torch.equal(rec[moved_slot][:, rest], want[moved_slot][:, rest])
+    for h in range(2):
+        tag = int(b.tail.tags(Stage.TAIL)[h])
+        d = (sink.counters[tag] - want_sink.counters[tag]).tolist()
+        assert d[int(CounterCol.INPUT_ERRORS)] == 1 and d[int(CounterCol.ENTRIES_WRITTEN)] == -1, d
+    assert _header(carries)["ARMED"] == 0
+    # already taken, then another step's header: the scan
+    for armed, step in ((0, 5), (1, 6)):
+        carries[0, int(CarryHeaderCol.ARMED)], carries[0, int(CarryHeaderCol.STEP)] = armed, step
+        rec, sink = _tail_write(b, plan, status, carries)
+        assert torch.equal(rec, want) and torch.equal(sink.counters, want_sink.counters)
 
 
 @pytest.mark.parametrize("fp_mode", [None, FingerprintMode.PARTIAL])

@@ -72,11 +72,13 @@ enum class PlanFlag : int64_t {
   PADDING = 16,  // a padding row's write segment: no verify range, nothing written; its tokens may write only reserved slots
 };
 
-// Optional checks of a write launch.
+// Optional checks and options of a write launch.
 enum class WriteCheck : int64_t {
   CHAIN_POSITION = 1,  // each written position is the previous one + 1
   INPUTS = 2,  // positions equal prefix_len + j; tokens equal the expected-token pool
   STRUCTURAL = 4,  // out_cache_loc equals req_to_token[row, prefix_len + j]; padding tokens write only reserved slots (rows tagged with half 0)
+  RECORD_CARRIES = 8,  // not a check: keep each entry's chain carry in the carries tensor (CUDA scan path; docs/ops-contract.md 5)
+  REUSE_CARRIES = 16,  // not a check: take the chain carries a RECORD_CARRIES write of the same step and inputs kept, instead of scanning
 };
 
 // {Stage} x {Half} x {Group}: stamped into violation rows, row index of the counters.
@@ -156,6 +158,25 @@ enum class PlanStatusCol : int32_t {
   OVERFLOW = 4,  // 1 when the batch claims more tokens or slots than exist
 };
 constexpr int32_t kNumPlanStatusCols = 5;
+
+// One entry of a write's carries (docs/ops-contract.md 5): a long write's exclusive chain carry, kept by the HEAD write for the TAIL write of the same forward. Row 0 of a carries tensor is its header (CarryHeaderCol); entry e is row 1 + e.
+enum class CarryCol : int32_t {
+  MUL = 0,  // affine chain map of the segment's earlier entries: multiplier (u64 bit-cast)
+  ADD = 1,  // that map's addend (u64 bit-cast)
+  LAST_J = 2,  // index in the segment of the last earlier written entry (-1 = none)
+  SEGMENT = 3,  // plan row of the entry
+  J = 4,  // index of the entry inside its segment
+};
+constexpr int32_t kNumCarryCols = 5;
+
+// Row 0 of a carries tensor (columns < NUM_CARRY_COLS).
+enum class CarryHeaderCol : int32_t {
+  ARMED = 0,  // 1 when the rows hold every entry of the last recording write, 0 otherwise
+  STEP = 1,  // the sink step of that write: only a write of the same step reuses the rows
+  TOTAL = 2,  // entries recorded
+  DONE = 3,  // blocks of the reusing launch that have read the header (its last one disarms)
+};
+constexpr int32_t kNumCarryHeaderCols = 4;
 
 // One real-KV source of a fingerprint: a layer tensor viewed as byte rows.
 enum class FpSourceCol : int32_t {

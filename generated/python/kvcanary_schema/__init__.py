@@ -92,11 +92,13 @@ class PlanFlag(IntFlag):
 
 
 class WriteCheck(IntFlag):
-    """Optional checks of a write launch."""
+    """Optional checks and options of a write launch."""
 
     CHAIN_POSITION = 1  # each written position is the previous one + 1
     INPUTS = 2  # positions equal prefix_len + j; tokens equal the expected-token pool
     STRUCTURAL = 4  # out_cache_loc equals req_to_token[row, prefix_len + j]; padding tokens write only reserved slots (rows tagged with half 0)
+    RECORD_CARRIES = 8  # not a check: keep each entry's chain carry in the carries tensor (CUDA scan path; docs/ops-contract.md 5)
+    REUSE_CARRIES = 16  # not a check: take the chain carries a RECORD_CARRIES write of the same step and inputs kept, instead of scanning
 
 
 class LaunchTag(IntEnum):
@@ -225,6 +227,31 @@ class PlanStatusCol(IntEnum):
 
 
 NUM_PLAN_STATUS_COLS: Final = 5
+
+
+class CarryCol(IntEnum):
+    """One entry of a write's carries (docs/ops-contract.md 5): a long write's exclusive chain carry, kept by the HEAD write for the TAIL write of the same forward. Row 0 of a carries tensor is its header (CarryHeaderCol); entry e is row 1 + e."""
+
+    MUL = 0  # affine chain map of the segment's earlier entries: multiplier (u64 bit-cast)
+    ADD = 1  # that map's addend (u64 bit-cast)
+    LAST_J = 2  # index in the segment of the last earlier written entry (-1 = none)
+    SEGMENT = 3  # plan row of the entry
+    J = 4  # index of the entry inside its segment
+
+
+NUM_CARRY_COLS: Final = 5
+
+
+class CarryHeaderCol(IntEnum):
+    """Row 0 of a carries tensor (columns < NUM_CARRY_COLS)."""
+
+    ARMED = 0  # 1 when the rows hold every entry of the last recording write, 0 otherwise
+    STEP = 1  # the sink step of that write: only a write of the same step reuses the rows
+    TOTAL = 2  # entries recorded
+    DONE = 3  # blocks of the reusing launch that have read the header (its last one disarms)
+
+
+NUM_CARRY_HEADER_COLS: Final = 4
 
 
 class FpSourceCol(IntEnum):

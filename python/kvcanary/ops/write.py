@@ -10,6 +10,7 @@ import torch
 from kvcanary_schema import (
     CHAIN_BASE,
     NO_SLOT,
+    NUM_CARRY_COLS,
     NUM_PLAN_COLS,
     NUM_PLAN_STATUS_COLS,
     SKIP_TOKEN,
@@ -38,13 +39,15 @@ from kvcanary.ops.types import Fingerprint, GroupView, Sink, TokenPool, check_ba
 # Slot resolution outcomes (csrc/core/resolve.cuh SlotStatus).
 OK, INPUT_ERROR, EVICTED, RESERVED = 0, 1, 2, 3
 _ALL_CHECKS = sum(int(c) for c in WriteCheck)
+_CARRY_BITS = int(WriteCheck.RECORD_CARRIES | WriteCheck.REUSE_CARRIES)
 _CHAIN_BASE_INV = pow(CHAIN_BASE, -1, 1 << 64)
 
 
 def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
           input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, sink: Sink, *,
           checks: int = 0, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
-          table_page: int = 1, workspace: torch.Tensor | None = None, backend: str = "torch") -> None:
+          table_page: int = 1, workspace: torch.Tensor | None = None, carries: torch.Tensor | None = None,
+          backend: str = "torch") -> None:
     """Write the records of every planned segment's new tokens (both halves of one HEAD/TAIL stage) into ``group``.
 
     ``input_ids``, ``positions`` and ``out_cache_loc`` are the batch's flat int64 ``[num_tokens]`` tensors
@@ -53,11 +56,13 @@ def write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tens
     :func:`kvcanary.ops.plan.plan_forward`). A HEAD write takes a fingerprint only when it runs after the forward (the
     seal). Bad values inside tensors become counted INPUT_ERROR rows in ``sink``. ``workspace`` (from
     :func:`write_workspace`, this op's own) lets the CUDA kernel scan long writes in small tiles (a look-back over the
-    earlier tiles' aggregates); results are the same without it.
+    earlier tiles' aggregates); results are the same without it. ``carries`` (from :func:`write_carries`, shared by
+    a forward's HEAD and TAIL writes) holds the chain carries a write with ``checks & RECORD_CARRIES`` keeps for the
+    next write with ``checks & REUSE_CARRIES`` of the same step and inputs (CUDA: no scan there).
     """
     bind_write(group, stage, plan, status, table, input_ids, positions, out_cache_loc, sink, checks=checks,
                token_pool=token_pool, fingerprint=fingerprint, table_page=table_page, workspace=workspace,
-               backend=backend)(table)
+               carries=carries, backend=backend)(table)
 
 
 def write_workspace(max_tokens: int, device: torch.device | str) -> torch.Tensor:
@@ -71,6 +76,14 @@ def write_workspace(max_tokens: int, device: torch.device | str) -> torch.Tensor
     index = device.index if device.index is not None else torch.cuda.current_device()
     size = int(_native.module("cuda").write_workspace_size(max_tokens, index))
     return torch.zeros(size, dtype=torch.int64, device=device)
+
+
+def write_carries(max_tokens: int, device: torch.device | str) -> torch.Tensor:
+    """Zeroed (not armed) carries for the writes of up to ``max_tokens`` tokens on ``device``: the header row and one
+    row per write entry (docs/ops-contract.md 5), shared by one HEAD write and the TAIL write after it."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise CanaryInputError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+    return torch.zeros(1 + max_tokens, NUM_CARRY_COLS, dtype=torch.int64, device=torch.device(device))
 
 
 @dataclass(frozen=True)
@@ -109,7 +122,8 @@ class WriteTarget:
 
 def write_target(group: GroupView, stage: Stage, status: torch.Tensor, table: torch.Tensor, sink: Sink, *,
                  checks: int = 0, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
-                 table_page: int = 1, workspace: torch.Tensor | None = None, backend: str = "torch") -> WriteTarget:
+                 table_page: int = 1, workspace: torch.Tensor | None = None, carries: torch.Tensor | None = None,
+                 backend: str = "torch") -> WriteTarget:
     """:func:`write`'s arguments but the plan rows and the tokens, checked once (``table`` stands for the tables the
     bound calls will take: see :class:`BoundOp`)."""
     if not isinstance(group, GroupView):
@@ -131,6 +145,7 @@ def write_target(group: GroupView, stage: Stage, status: torch.Tensor, table: to
         check_tensor(token_pool.tokens, "token pool", ndim=2, device=device)
     check_fingerprint(fingerprint, group, stage, seal=True)
     ws = empty_i64(device) if workspace is None else check_tensor(workspace, "workspace", ndim=1, device=device)
+    cs = _check_carries(carries, checks, device)
     tags = group.tags(stage)
     b = check_backend(backend, device)
     if b == "torch":
@@ -145,17 +160,34 @@ def write_target(group: GroupView, stage: Stage, status: torch.Tensor, table: to
         int(token_pool is not None), 0 if token_pool is None else token_pool.offset,
         e if fingerprint is None else fingerprint.sources.table,
         int(FingerprintMode.NONE) if fingerprint is None else int(fingerprint.mode),
-        1 if fingerprint is None else fingerprint.layer_stride, page, ws), True, device)
+        1 if fingerprint is None else fingerprint.layer_stride, page, ws, cs), True, device)
 
 
 def bind_write(group: GroupView, stage: Stage, plan: torch.Tensor, status: torch.Tensor, table: torch.Tensor,
                input_ids: torch.Tensor, positions: torch.Tensor, out_cache_loc: torch.Tensor, sink: Sink, *,
                checks: int = 0, token_pool: TokenPool | None = None, fingerprint: Fingerprint | None = None,
-               table_page: int = 1, workspace: torch.Tensor | None = None, backend: str = "torch") -> BoundOp:
+               table_page: int = 1, workspace: torch.Tensor | None = None, carries: torch.Tensor | None = None,
+               backend: str = "torch") -> BoundOp:
     """:func:`write`'s arguments checked once: a call taking the slot table (see :class:`BoundOp`)."""
     return write_target(group, stage, status, table, sink, checks=checks, token_pool=token_pool,
-                        fingerprint=fingerprint, table_page=table_page, workspace=workspace,
+                        fingerprint=fingerprint, table_page=table_page, workspace=workspace, carries=carries,
                         backend=backend).bind(plan, input_ids, positions, out_cache_loc)
+
+
+def _check_carries(carries: torch.Tensor | None, checks: int, device: torch.device) -> torch.Tensor:
+    """The carries argument of a write with WriteCheck bits ``checks``: required with a carry bit (one at most), then
+    ``[1 + E, NUM_CARRY_COLS]``; the 0-element tensor when absent."""
+    bits = checks & _CARRY_BITS
+    if bits == _CARRY_BITS:
+        raise CanaryInputError("checks: RECORD_CARRIES and REUSE_CARRIES exclude each other")
+    if carries is None:
+        if bits:
+            raise CanaryInputError("checks RECORD_CARRIES / REUSE_CARRIES need a carries tensor (write_carries)")
+        return empty_i64(device)
+    c = check_tensor(carries, "carries", ndim=2, device=device, shape=(None, NUM_CARRY_COLS))
+    if c.shape[0] < 1:
+        raise CanaryInputError("carries needs its header row: shape [1 + entries, NUM_CARRY_COLS]")
+    return c
 
 
 # ---- torch reference -------------------------------------------------------------------------------------------
