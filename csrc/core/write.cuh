@@ -146,9 +146,9 @@ struct WriteEntry {
   int64_t loc;  // out_cache_loc as given (table space)
 };
 
-// Entries of a PADDING segment are never written (kPad); only the structural check looks at them.
-KVC_HD WriteEntry write_entry_load(const WriteArgs& a, const int64_t* row, int64_t j) {
-  const int64_t k = plan_at(row, PlanCol::WRITE_BEGIN) + j;
+// Entries of a PADDING segment are never written (kPad); only the structural check looks at them. k = WRITE_BEGIN + j
+// (given apart, a reader that knows it loads the token before the plan row arrives).
+KVC_HD WriteEntry write_entry_at(const WriteArgs& a, const int64_t* row, int64_t j, int64_t k) {
   const int64_t loc = a.out_cache_loc[k];
   WriteEntry e{WriteKind::kPad, j, a.input_ids[k], a.positions[k], loc, loc};
   if (loc < 0 || plan_flag(row, PlanFlag::PADDING)) return e;
@@ -164,6 +164,9 @@ KVC_HD WriteEntry write_entry_load(const WriteArgs& a, const int64_t* row, int64
     e.kind = WriteKind::kWrite;
   }
   return e;
+}
+KVC_HD WriteEntry write_entry_load(const WriteArgs& a, const int64_t* row, int64_t j) {
+  return write_entry_at(a, row, j, plan_at(row, PlanCol::WRITE_BEGIN) + j);
 }
 
 // Scan element: the affine chain map of a run of entries and the index of its last written entry (-1 = none).

@@ -278,54 +278,82 @@ __device__ __forceinline__ void carries_header(const WriteArgs& a, bool armed, i
   hd[col(CarryHeaderCol::ARMED)] = armed ? 1 : 0;
 }
 
-// Entries a REUSE_CARRIES launch takes from the carries, -1: none (it scans). Block-uniform (thread 0 reads the
-// header into shared memory), and grid-uniform: a block that scanned while another reused would wait on look-back
-// aggregates nobody publishes. So the header changes only after every block has read it: a block that reuses counts
-// itself in DONE when it ends (carries_done), and the last one disarms it (a carry row is used once: a later launch
-// of the same step without a recording write before it scans). ALL fingerprints (block-shared row sums) scan.
-__device__ __forceinline__ int64_t carries_reused(const WriteArgs& a, int64_t* s_total) {
+// A kept carry row (entry e's, or all -1 when e is past the carries: then it names no entry).
+struct CarryRow {
+  int64_t v[kNumCarryCols];
+  __device__ __forceinline__ int64_t operator[](CarryCol c) const { return v[col(c)]; }
+};
+__device__ __forceinline__ CarryRow carry_row(const WriteArgs& a, int64_t e) {
+  CarryRow r;
+#pragma unroll
+  for (int i = 0; i < kNumCarryCols; ++i) r.v[i] = e < a.carry_cap ? a.carries[(1 + e) * kNumCarryCols + i] : -1;
+  return r;
+}
+
+// What a REUSE_CARRIES launch takes from the carries: total = entries (-1: none, it scans), first = this thread's
+// first row (loaded beside the header, used after it), done = thread 0's DONE ticket. Block-uniform (thread 0 reads
+// the header into shared memory) and grid-uniform: a block that scanned while another reused would wait on
+// look-back aggregates nobody publishes. So the header changes only after every block has read it: each block's
+// thread 0 takes a DONE ticket once its block has the header, and the block holding the last ticket disarms it when
+// it ends (a kept scan is used once: a later launch of the same step without a recording write before it scans).
+// ALL fingerprints (block-shared row sums) scan.
+struct Reuse {
+  int64_t total;
+  CarryRow first;
+  unsigned long long done;
+};
+__device__ __forceinline__ Reuse carries_reused(const WriteArgs& a, int64_t nseg, int64_t* s_total) {
+  Reuse r{-1, {}, 0};
   if (a.carries == nullptr || (a.checks & bits(WriteCheck::REUSE_CARRIES)) == 0 ||
       a.fp_mode == static_cast<int32_t>(FingerprintMode::ALL)) {
-    return -1;
+    return r;
   }
+  r.first = carry_row(a, static_cast<int64_t>(blockIdx.x) * kWriteThreads + threadIdx.x);
   if (threadIdx.x == 0) {
     const volatile int64_t* hd = a.carries;
     const int64_t armed = hd[col(CarryHeaderCol::ARMED)], step = hd[col(CarryHeaderCol::STEP)];
     const int64_t total = hd[col(CarryHeaderCol::TOTAL)];
-    *s_total = armed == 1 && step == a.sink.step[0] && total >= 0 && total <= a.carry_cap ? total : -1;
+    // every entry of a plan lies in [0, num_tokens) unless its ranges overlap (a plan not from plan_forward: scan)
+    const bool fits = total >= 0 && total <= a.carry_cap && total <= a.num_tokens && (total == 0 || nseg > 0);
+    *s_total = armed == 1 && step == a.sink.step[0] && fits ? total : -1;
   }
   __syncthreads();
-  return *s_total;
+  r.total = *s_total;
+  if (threadIdx.x == 0 && r.total >= 0) {
+    r.done = atomicAdd(reinterpret_cast<unsigned long long*>(a.carries + col(CarryHeaderCol::DONE)), 1ULL);
+  }
+  return r;
 }
 
-// The end of a block that reused the carries (thread 0, after its header read was used): the last one disarms.
-__device__ __forceinline__ void carries_done(const WriteArgs& a) {
-  int64_t* hd = a.carries;
-  if (atomicAdd(reinterpret_cast<unsigned long long*>(hd + col(CarryHeaderCol::DONE)), 1ULL) == gridDim.x - 1ULL) {
-    hd[col(CarryHeaderCol::DONE)] = 0;
-    hd[col(CarryHeaderCol::ARMED)] = 0;
+// The end of a block that reused the carries (thread 0): the holder of the last DONE ticket disarms the header.
+__device__ __forceinline__ void carries_done(const WriteArgs& a, unsigned long long ticket) {
+  if (ticket == gridDim.x - 1ULL) {
+    a.carries[col(CarryHeaderCol::DONE)] = 0;
+    a.carries[col(CarryHeaderCol::ARMED)] = 0;
   }
 }
 
-// Entries [0, total) of a write whose chain carries a RECORD_CARRIES write kept: each thread applies its entries as
+// Entries [0, r.total) of a write whose chain carries a RECORD_CARRIES write kept: each thread applies its entries as
 // the scan path does (structural check, seeds, store, EXPECT_NEW), with the kept exclusive carry instead of a scan.
 // A kept row that names no entry of this plan (carries not from this forward's recording write) is not applied and
 // counts one INPUT_ERRORS per half.
 template <bool kFp>
-__device__ __forceinline__ void write_reused(const WriteArgs& a, int64_t nseg, int64_t total,
+__device__ __forceinline__ void write_reused(const WriteArgs& a, int64_t nseg, const Reuse& r,
                                              WriteTally (&tally)[MAX_HALVES]) {
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kWriteThreads + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * kWriteThreads) {
-    const int64_t* c = a.carries + (1 + e) * kNumCarryCols;
-    const int64_t s = c[col(CarryCol::SEGMENT)], j = c[col(CarryCol::J)], last_j = c[col(CarryCol::LAST_J)];
-    const int64_t* row = a.plan + (s >= 0 && s < nseg ? s : 0) * kNumPlanCols;
-    if (s < 0 || s >= nseg || j < 0 || j >= segment_entries(a, row) || last_j < -1 || last_j >= j) {
+  const int64_t e0 = static_cast<int64_t>(blockIdx.x) * kWriteThreads + threadIdx.x;
+  for (int64_t e = e0; e < r.total; e += static_cast<int64_t>(gridDim.x) * kWriteThreads) {
+    const CarryRow c = e == e0 ? r.first : carry_row(a, e);
+    const int64_t s = c[CarryCol::SEGMENT], j = c[CarryCol::J], k = c[CarryCol::K], last_j = c[CarryCol::LAST_J];
+    const bool k_ok = k >= 0 && k < a.num_tokens, s_ok = s >= 0 && s < nseg;
+    const int64_t* row = a.plan + (s_ok ? s : 0) * kNumPlanCols;
+    // the token's loads go out beside the plan row's (k in bounds: total <= num_tokens, so num_tokens > 0 here)
+    const WriteEntry en = write_entry_at(a, row, j, k_ok ? k : 0);
+    if (!k_ok || !s_ok || j < 0 || j >= segment_entries(a, row) || k != plan_at(row, PlanCol::WRITE_BEGIN) + j ||
+        last_j < -1 || last_j >= j) {
       for (int64_t h = 0; h < a.halves; ++h) ++tally[h].input_errors;
       continue;
     }
-    const WriteEntry en = write_entry_load(a, row, j);
-    const WriteCarry excl{ChainMap{static_cast<uint64_t>(c[col(CarryCol::MUL)]),
-                                   static_cast<uint64_t>(c[col(CarryCol::ADD)])},
+    const WriteCarry excl{ChainMap{static_cast<uint64_t>(c[CarryCol::MUL]), static_cast<uint64_t>(c[CarryCol::ADD])},
                           last_j};
     const WriteCarry incl = write_carry_compose(excl, write_entry_carry(en));
     write_structural(a, row, en);
@@ -380,7 +408,8 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
 
   WriteTally tally[MAX_HALVES] = {{0, 0, 0}, {0, 0, 0}};
   __shared__ int64_t s_reused;
-  const int64_t reused = carries_reused(a, &s_reused);
+  const Reuse reuse = carries_reused(a, nseg, &s_reused);
+  const int64_t reused = reuse.total;
   const bool record = a.carries != nullptr && (a.checks & bits(WriteCheck::RECORD_CARRIES)) != 0;
   // Small batches of short segments (decode): one block, each thread runs its own segment's serial loop (the CPU
   // backend's, PARTIAL fingerprints included: a few bytes per token), with no block scan. Block-uniform decision;
@@ -414,7 +443,7 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     __syncthreads();
   }
   if (reused >= 0) {  // grid-uniform
-    write_reused<kFp>(a, nseg, reused, tally);
+    write_reused<kFp>(a, nseg, reuse, tally);
   } else if (!serial) {  // block-uniform
     // Dense entry space: segment s owns entries [off_s, off_s + entries_s). Each thread sums a chunk of segments.
     const int64_t chunk = (nseg + kWriteThreads - 1) / kWriteThreads;
@@ -530,6 +559,7 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
         c[col(CarryCol::LAST_J)] = ex.last_j;
         c[col(CarryCol::SEGMENT)] = (it[i].row - a.plan) / kNumPlanCols;
         c[col(CarryCol::J)] = it[i].e.j;
+        c[col(CarryCol::K)] = plan_at(it[i].row, PlanCol::WRITE_BEGIN) + it[i].e.j;
       }
     }
 
@@ -595,7 +625,7 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     for (int64_t h = 0; h < a.halves; ++h) {
       write_tally_flush(a, h, WriteTally{counts[3 * h], counts[3 * h + 1], counts[3 * h + 2]});
     }
-    if (reused >= 0) carries_done(a);
+    if (reused >= 0) carries_done(a, reuse.done);
     // the launch's last block restores the workspace for the next launch (every block has read what it needed)
     if (ws.data != nullptr && reused < 0 &&
         atomicAdd(reinterpret_cast<unsigned long long*>(ws.data + kWsDone), 1ULL) == gridDim.x - 1ULL) {

@@ -491,11 +491,16 @@ def test_clean_large_bracket_reports_nothing() -> None:
 
 # ---- CUDA graphs: capture a whole bracket, replay with other contents ---------------------------------------------
 
-def test_graph_capture_and_replay_with_changed_batches() -> None:
+@pytest.mark.parametrize("kept", [False, True])
+def test_graph_capture_and_replay_with_changed_batches(kept: bool) -> None:
+    """A captured bracket replayed on new batch contents equals the reference; ``kept``: PARTIAL fingerprints and the
+    TAIL write taking the HEAD write's kept carries inside the graph (each replay keeps and takes its own)."""
     bs, width, T = 6, 900, 1200
     num_slots = bs * width + 1
     srcs = [[SourceSpec(torch.randint(0, 256, (num_slots, 256), dtype=torch.uint8, device=CUDA))] for _ in range(2)]
-    fp = Fingerprint(FingerprintSources(srcs, num_slots), FingerprintMode.ALL)
+    fp = Fingerprint(FingerprintSources(srcs, num_slots), FingerprintMode.PARTIAL if kept else FingerprintMode.ALL)
+    carries = write_carries(T, CUDA) if kept else None
+    keep, take = (int(WriteCheck.RECORD_CARRIES), int(WriteCheck.REUSE_CARRIES)) if kept else (0, 0)
     table = torch.zeros(bs, width, dtype=torch.int64, device=CUDA)
     head = GroupView(torch.zeros(num_slots, 2, 4, dtype=torch.int64, device=CUDA), reserved_slots=1)
     tail = GroupView(torch.zeros(num_slots, 2, 4, dtype=torch.int64, device=CUDA), reserved_slots=1)
@@ -512,10 +517,11 @@ def test_graph_capture_and_replay_with_changed_batches() -> None:
                 q: torch.Tensor, lc: torch.Tensor) -> None:
         plan_forward(p, st, r, pr, ex, tbl, T, backend=backend)
         verify(h, Stage.HEAD, p, st, tbl, s, backend=backend)
-        write(h, Stage.HEAD, p, st, tbl, i, q, lc, s, checks=ALL_CHECKS, workspace=ws[0], backend=backend)
-        verify(t, Stage.TAIL, p, st, tbl, s, fingerprint=fp, backend=backend)
-        write(t, Stage.TAIL, p, st, tbl, i, q, lc, s, checks=ALL_CHECKS, fingerprint=fp, workspace=ws[1],
+        write(h, Stage.HEAD, p, st, tbl, i, q, lc, s, checks=ALL_CHECKS | keep, workspace=ws[0], carries=carries,
               backend=backend)
+        verify(t, Stage.TAIL, p, st, tbl, s, fingerprint=fp, backend=backend)
+        write(t, Stage.TAIL, p, st, tbl, i, q, lc, s, checks=ALL_CHECKS | take, fingerprint=fp, workspace=ws[1],
+              carries=carries, backend=backend)
 
     args = (head, tail, sink, plan, status, table, rpi, pre, ext, ids, pos, loc)
     side = torch.cuda.Stream()
@@ -543,7 +549,7 @@ def test_graph_capture_and_replay_with_changed_batches() -> None:
         every = torch.arange(num_slots, device=CUDA)
         for h in range(2):  # TAIL prefix records carry the fingerprints of this batch's KV bytes
             tail.records[:, h, 3] = fingerprint(fp.sources, h, every, tail.records[:, h, 1].clamp(min=0),
-                                                FingerprintMode.ALL, backend="torch")
+                                                fp.mode, backend="torch")
         table.fill_(-1)
         table[:, :b.table.shape[1]] = b.table
         rpi.copy_(b.rpi)
@@ -572,6 +578,9 @@ def test_graph_capture_and_replay_with_changed_batches() -> None:
         assert_sinks_equal(sink, ref_args[2], f"replay {seed}")
         if seed:
             assert int(sink.count[0]) > 0  # the corruptions were found inside the replay
+        if carries is not None:  # this replay's scan was kept and taken
+            hd = _header(carries)
+            assert [hd["TOTAL"], hd["STEP"], hd["ARMED"], hd["DONE"]] == [n, seed, 0, 0], hd
 
 
 # ---- fingerprint and scatter_tokens ops ---------------------------------------------------------------------------

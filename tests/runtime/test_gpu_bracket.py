@@ -7,7 +7,7 @@ import torch
 from kvcanary.config import CanaryConfig
 from kvcanary.manager import CanaryManager, install
 from kvcanary.streams import CurrentStream
-from kvcanary_schema import CounterCol, FailReason, RecordField, Stage
+from kvcanary_schema import CarryHeaderCol, CounterCol, FailReason, RecordField, Stage
 
 from .fake_engine import FakeEngine
 
@@ -247,10 +247,11 @@ def test_alarm_windows_lose_no_rows_and_stage_no_empty_windows() -> None:
     assert not m.health.problems
 
 
-@pytest.mark.parametrize("cfg", [{}, {"fingerprint": "all"}])
+@pytest.mark.parametrize("cfg", [{}, {"fingerprint": "all"}, {"fingerprint": "none"}, {"seal": False}])
 def test_long_prefills_take_the_look_back_and_match_the_reference(cfg: dict[str, object]) -> None:
     """Prefills of 1500-2600 tokens (their writes scan tiles through the look-back workspaces, which only the cuda
-    backend allocates), then decodes: the cuda backend's records and reports equal the torch backend's on the GPU."""
+    backend allocates; without a seal the TAIL write takes the HEAD write's kept carries), then decodes: the cuda
+    backend's records and reports equal the torch backend's on the GPU."""
     managers, engines = [], []
     for backend in ("cuda", "torch"):
         eng = FakeEngine(num_slots=8192, req_rows=4, max_context=2700, device="cuda")
@@ -260,9 +261,14 @@ def test_long_prefills_take_the_look_back_and_match_the_reference(cfg: dict[str,
             eng.add(f"r{i}", [(7 * j + i) % 30000 for j in range(n)])
         managers.append(m)
         engines.append(eng)
-    for _ in range(4):  # the prefill, then decodes
+    group = managers[0].state.groups[0]
+    assert (group.write_carries is not None) == (group.seal is None)
+    for step in range(4):  # the prefill, then decodes
         for eng, m in zip(engines, managers, strict=True):
             _eager(eng, m)
+        if step == 0 and group.write_carries is not None:  # the prefill's scan, kept and taken (disarmed)
+            head = group.write_carries[0].tolist()
+            assert [head[CarryHeaderCol.TOTAL], head[CarryHeaderCol.ARMED], head[CarryHeaderCol.DONE]] == [4100, 0, 0]
     ws = managers[0].state.groups[0].write_workspaces
     assert managers[1].state.groups[0].write_workspaces == (None, None)
     assert all(w is not None and int(w[2]) >= 1 and w[:2].tolist() == [0, 0] for w in ws)  # used, restored

@@ -166,8 +166,9 @@ enum class CarryCol : int32_t {
   LAST_J = 2,  // index in the segment of the last earlier written entry (-1 = none)
   SEGMENT = 3,  // plan row of the entry
   J = 4,  // index of the entry inside its segment
+  K = 5,  // its flat token index, WRITE_BEGIN + J (the reader loads the token beside the plan row)
 };
-constexpr int32_t kNumCarryCols = 5;
+constexpr int32_t kNumCarryCols = 6;
 
 // Row 0 of a carries tensor (columns < NUM_CARRY_COLS).
 enum class CarryHeaderCol : int32_t {

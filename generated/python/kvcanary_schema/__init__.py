@@ -237,9 +237,10 @@ class CarryCol(IntEnum):
     LAST_J = 2  # index in the segment of the last earlier written entry (-1 = none)
     SEGMENT = 3  # plan row of the entry
     J = 4  # index of the entry inside its segment
+    K = 5  # its flat token index, WRITE_BEGIN + J (the reader loads the token beside the plan row)
 
 
-NUM_CARRY_COLS: Final = 5
+NUM_CARRY_COLS: Final = 6
 
 
 class CarryHeaderCol(IntEnum):
