@@ -377,6 +377,42 @@ __device__ __forceinline__ void write_reused(const WriteArgs& a, int64_t nseg, c
   }
 }
 
+// The marks of one tile of several segments: at the first in-tile position p of every segment overlapping it,
+// s_mark[p] = the segment and s_first_j[p] = its index there; returns the latest marked position before this thread's
+// first item (-1: none). Block-wide (barriers). Threads own segments [c_lo, c_hi) starting at dense entry off.
+template <int kItems>
+__device__ __forceinline__ int64_t mark_tile(const WriteArgs& a, const OwnRow& own, int64_t c_lo, int64_t c_hi,
+                                             int64_t off, int64_t tile_start, int64_t tile_end, int64_t tile,
+                                             int64_t* s_mark, int64_t* s_first_j, int64_t* s_reduce) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  for (int64_t p = threadIdx.x; p < tile; p += kWriteThreads) s_mark[p] = -1;
+  __syncthreads();
+  for (int64_t s = c_lo; s < c_hi && off < tile_end; ++s) {
+    const int64_t n = own.is(s) ? segment_entries(a, own.v) : segment_entries(a, a.plan + s * kNumPlanCols);
+    if (n > 0 && off + n > tile_start) {
+      const int64_t first = off > tile_start ? off : tile_start;
+      s_mark[first - tile_start] = s;
+      s_first_j[first - tile_start] = first - off;
+    }
+    off += n;
+  }
+  __syncthreads();
+  int64_t mark_pos = -1;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int64_t p = static_cast<int64_t>(threadIdx.x) * kItems + i;
+    if (p < tile && s_mark[p] >= 0) mark_pos = p;
+  }
+  const int64_t mark_incl = block_max_scan(mark_pos, s_reduce);
+  int64_t mark_before = __shfl_up_sync(0xffffffffu, mark_incl, 1);
+  __syncthreads();
+  if (lane == kWarp - 1) s_reduce[warp] = mark_incl;
+  __syncthreads();
+  if (lane == 0) mark_before = warp > 0 ? s_reduce[warp - 1] : -1;
+  __syncthreads();
+  return mark_before;
+}
+
 template <int kItems, bool kFp>
 __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64_t tile, ScanWorkspace ws) {
   await_prior_kernels();
@@ -446,13 +482,19 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     write_reused<kFp>(a, nseg, reuse, tally);
   } else if (!serial) {  // block-uniform
     // Dense entry space: segment s owns entries [off_s, off_s + entries_s). Each thread sums a chunk of segments.
+    // One segment (a single prefill, block-uniform): entry e is its j = e, so no offsets, marks or max scan.
+    const bool one = nseg == 1;
     const int64_t chunk = (nseg + kWriteThreads - 1) / kWriteThreads;
     const int64_t c_lo = threadIdx.x * chunk, c_hi = c_lo + chunk < nseg ? c_lo + chunk : nseg;
     int64_t chunk_off[1] = {0}, total_arr[1];
-    for (int64_t s = c_lo; s < c_hi; ++s) {
-      chunk_off[0] += own.is(s) ? segment_entries(a, own.v) : segment_entries(a, a.plan + s * kNumPlanCols);
+    if (one) {
+      total_arr[0] = own.is(0) ? segment_entries(a, own.v) : segment_entries(a, a.plan);
+    } else {
+      for (int64_t s = c_lo; s < c_hi; ++s) {
+        chunk_off[0] += own.is(s) ? segment_entries(a, own.v) : segment_entries(a, a.plan + s * kNumPlanCols);
+      }
+      block_exclusive_sum<kWriteThreads, 1>(chunk_off, total_arr, sh_sum);
     }
-    block_exclusive_sum<kWriteThreads, 1>(chunk_off, total_arr, sh_sum);
     const int64_t total = total_arr[0];
     if (record && blockIdx.x == 0 && threadIdx.x == 0) carries_header(a, total <= a.carry_cap, total);
 
@@ -460,36 +502,18 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
     for (int64_t tile_start = (ws.data != nullptr ? s_ws[0] : static_cast<int64_t>(blockIdx.x)) * tile;
          tile_start < total; tile_start += static_cast<int64_t>(gridDim.x) * tile) {
       const int64_t tile_end = tile_start + tile < total ? tile_start + tile : total;
-      // Mark the first in-tile position of every segment overlapping the tile.
-      for (int64_t p = threadIdx.x; p < tile; p += kWriteThreads) s_mark[p] = -1;
-      __syncthreads();
-      int64_t off = chunk_off[0];
-      for (int64_t s = c_lo; s < c_hi && off < tile_end; ++s) {
-        const int64_t n = own.is(s) ? segment_entries(a, own.v) : segment_entries(a, a.plan + s * kNumPlanCols);
-        if (n > 0 && off + n > tile_start) {
-          const int64_t first = off > tile_start ? off : tile_start;
-          s_mark[first - tile_start] = s;
-          s_first_j[first - tile_start] = first - off;
+      int64_t mark_before = -1;
+      if (one) {  // the tile's first position is marked (read after the scan's barriers)
+        if (threadIdx.x == 0) {
+          s_mark[0] = 0;
+          s_first_j[0] = tile_start;
         }
-        off += n;
+      } else {
+        mark_before = mark_tile<kItems>(a, own, c_lo, c_hi, chunk_off[0], tile_start, tile_end, tile, s_mark,
+                                        s_first_j, s_reduce);
       }
-      __syncthreads();
 
       // Load this thread's entries (kItems consecutive positions) and their carries.
-      int64_t mark_pos = -1;
-  #pragma unroll
-      for (int i = 0; i < kItems; ++i) {
-        const int64_t p = static_cast<int64_t>(threadIdx.x) * kItems + i;
-        if (p < tile && s_mark[p] >= 0) mark_pos = p;
-      }
-      const int64_t mark_incl = block_max_scan(mark_pos, s_reduce);
-      int64_t mark_before = __shfl_up_sync(0xffffffffu, mark_incl, 1);
-      __syncthreads();
-      if (lane == kWarp - 1) s_reduce[warp] = mark_incl;
-      __syncthreads();
-      if (lane == 0) mark_before = warp > 0 ? s_reduce[warp - 1] : -1;
-      __syncthreads();
-
       Item it[kItems];
       ScanElem local = scan_identity();
       ScanElem pre_item[kItems];  // inclusive within the thread, before composing earlier threads
@@ -500,10 +524,10 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
         it[i].row = nullptr;
         ScanElem x{true, write_carry_identity()};
         if (p < tile && tile_start + p < tile_end) {
-          if (s_mark[p] >= 0) cur = p;
-          if (cur >= 0) {
-            const int64_t* row = a.plan + s_mark[cur] * kNumPlanCols;
-            const int64_t j = s_first_j[cur] + (p - cur);
+          if (!one && s_mark[p] >= 0) cur = p;
+          if (one || cur >= 0) {
+            const int64_t* row = one ? a.plan : a.plan + s_mark[cur] * kNumPlanCols;
+            const int64_t j = one ? tile_start + p : s_first_j[cur] + (p - cur);
             it[i].row = row;
             it[i].e = write_entry_load(a, row, j);
             x = ScanElem{j == 0, write_entry_carry(it[i].e)};
