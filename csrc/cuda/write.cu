@@ -172,9 +172,8 @@ struct OwnRow {
 
 // The look-back workspace (int64): a header, then per tile its aggregate and the flag that publishes it. Zeroed once
 // at allocation; each launch takes tile tickets in start order (a block waits only on tiles whose blocks already run),
-// publishes with flag = generation + 1, and each block counts itself done once it holds its ticket and generation
-// (nothing reads the header after that); the block with the last count restores the ticket and done counters and
-// bumps the generation when it ends, so every launch (a graph replay too) starts as the first did.
+// publishes with flag = generation + 1, and its last block to finish restores the ticket and done counters and bumps
+// the generation, so every launch (a graph replay too) starts as the first did.
 constexpr int64_t kWsTicket = 0, kWsDone = 1, kWsGen = 2, kWsHeader = 4;
 constexpr int64_t kWsFlag = 0, kWsHead = 1, kWsMul = 2, kWsAdd = 3, kWsLastJ = 4, kWsTileCols = 8;
 
@@ -191,16 +190,6 @@ __device__ __forceinline__ int64_t load_acquire(const int64_t* p) {
 __device__ __forceinline__ void store_release(int64_t* p, int64_t v) {
   asm volatile("st.release.gpu.global.s64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
-
-// A done count (returns the old value): release, so the caller's earlier reads of the header are performed before
-// the count that lets the last counter reset it (no acquire: the caller goes on while the count travels; the last
-// counter fences with acquire_after_count before its resets).
-__device__ __forceinline__ unsigned long long count_done(int64_t* p) {
-  unsigned long long old;
-  asm volatile("atom.release.gpu.global.add.u64 %0, [%1], 1;" : "=l"(old) : "l"(p) : "memory");
-  return old;
-}
-__device__ __forceinline__ void acquire_after_count() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 // Publish tile t's aggregate (one thread).
 __device__ __forceinline__ void ws_publish(const ScanWorkspace& ws, int64_t t, int64_t gen, const ScanElem& agg) {
@@ -330,14 +319,15 @@ __device__ __forceinline__ Reuse carries_reused(const WriteArgs& a, int64_t nseg
   }
   __syncthreads();
   r.total = *s_total;
-  if (threadIdx.x == 0 && r.total >= 0) r.done = count_done(a.carries + col(CarryHeaderCol::DONE));
+  if (threadIdx.x == 0 && r.total >= 0) {
+    r.done = atomicAdd(reinterpret_cast<unsigned long long*>(a.carries + col(CarryHeaderCol::DONE)), 1ULL);
+  }
   return r;
 }
 
 // The end of a block that reused the carries (thread 0): the holder of the last DONE ticket disarms the header.
 __device__ __forceinline__ void carries_done(const WriteArgs& a, unsigned long long ticket) {
   if (ticket == gridDim.x - 1ULL) {
-    acquire_after_count();
     a.carries[col(CarryHeaderCol::DONE)] = 0;
     a.carries[col(CarryHeaderCol::ARMED)] = 0;
   }
@@ -481,12 +471,10 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
   }
   // With a workspace (several blocks, one tile each): this block's tile is its ticket, and the launch's generation.
   __shared__ int64_t s_ws[2];
-  unsigned long long ws_done = 0;  // thread 0: this block's done count (its round trip hides behind the block's work)
   if (ws.data != nullptr && reused < 0) {  // a reusing launch takes no tickets (it never looks back)
     if (threadIdx.x == 0) {
       s_ws[0] = static_cast<int64_t>(atomicAdd(reinterpret_cast<unsigned long long*>(ws.data + kWsTicket), 1ULL));
       s_ws[1] = load_acquire(ws.data + kWsGen);
-      ws_done = count_done(ws.data + kWsDone);
     }
     __syncthreads();
   }
@@ -662,9 +650,9 @@ __global__ void __launch_bounds__(kWriteThreads) write_kernel(WriteArgs a, int64
       write_tally_flush(a, h, WriteTally{counts[3 * h], counts[3 * h + 1], counts[3 * h + 2]});
     }
     if (reused >= 0) carries_done(a, reuse.done);
-    // the last block counted restores the workspace for the next launch (every block holds its ticket and generation)
-    if (ws.data != nullptr && reused < 0 && ws_done == gridDim.x - 1ULL) {
-      acquire_after_count();
+    // the launch's last block restores the workspace for the next launch (every block has read what it needed)
+    if (ws.data != nullptr && reused < 0 &&
+        atomicAdd(reinterpret_cast<unsigned long long*>(ws.data + kWsDone), 1ULL) == gridDim.x - 1ULL) {
       volatile int64_t* header = ws.data;
       header[kWsTicket] = 0;
       header[kWsDone] = 0;
