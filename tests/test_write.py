@@ -653,6 +653,16 @@ def test_native_entry_rejects_bad_arguments() -> None:
         call(mode=5)
     with pytest.raises(ValueError, match="pool_lens"):
         call(has_pool=1, pt=torch.zeros(2, 4, dtype=torch.int64), pl=torch.zeros(3, dtype=torch.int64))
+    record, reuse = int(WriteCheck.RECORD_CARRIES), int(WriteCheck.REUSE_CARRIES)
+    call(checks=reuse, carries=write_carries(3, "cpu"))
+    with pytest.raises(ValueError, match="exclude"):
+        call(checks=record | reuse, carries=write_carries(3, "cpu"))
+    with pytest.raises(ValueError, match="carries must have 2 dims"):
+        call(checks=record)
+    with pytest.raises(ValueError, match="carries must be"):
+        call(checks=record, carries=torch.zeros(3, NUM_CARRY_COLS + 1, dtype=torch.int64))
+    with pytest.raises(TypeError, match="carries"):
+        call(carries=torch.zeros(3, dtype=torch.int32))
     flags = int(PlanFlag.SEED_IS_HEAD)
     assert flags  # the plan flags are schema values, never literals
 
@@ -674,31 +684,6 @@ def test_carries_are_checked_and_change_no_result_on_cpu() -> None:
             got_rec, got_sink = run_case(case, backend, checks=case.checks | int(bit), carries=carries)
             assert torch.equal(got_rec, want_rec) and ring_rows(got_sink) == ring_rows(want_sink)
             assert torch.equal(got_sink.counters, want_sink.counters) and torch.equal(carries, garbage)
-
-
-def test_native_entry_checks_the_carries() -> None:
-    mod = _native.module("cpu")
-    a = _args()
-    sink = a["sink"]
-    assert isinstance(sink, Sink)
-    e = torch.empty(0, dtype=torch.int64)
-    both = int(WriteCheck.RECORD_CARRIES | WriteCheck.REUSE_CARRIES)
-
-    def call(checks: int, carries: torch.Tensor) -> None:
-        mod.write(a["group"].records, e, 0, 0, 0, 1, a["plan"], a["status"], a["table"],  # type: ignore[attr-defined]
-                  a["input_ids"], a["positions"], a["out_cache_loc"], sink.rows, sink.count, sink.counters, sink.step,
-                  checks, e, e, 0, 0, e, 0, 1, 1, e, carries)
-
-    call(0, e)
-    call(int(WriteCheck.REUSE_CARRIES), write_carries(3, "cpu"))
-    with pytest.raises(ValueError, match="exclude"):
-        call(both, write_carries(3, "cpu"))
-    with pytest.raises(ValueError, match="carries must have 2 dims"):
-        call(int(WriteCheck.RECORD_CARRIES), e)
-    with pytest.raises(ValueError, match="carries must be"):
-        call(int(WriteCheck.RECORD_CARRIES), torch.zeros(3, NUM_CARRY_COLS + 1, dtype=torch.int64))
-    with pytest.raises(TypeError, match="carries"):
-        call(0, torch.zeros(3, dtype=torch.int32))
 
 
 def test_write_workspace_is_empty_on_cpu_and_changes_no_result() -> None:
