@@ -21,7 +21,7 @@ from kvcanary.ops.fingerprint import fingerprint
 from kvcanary.ops.plan import plan_forward, plan_sweep
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec
 from kvcanary.ops.verify import verify
-from kvcanary.ops.write import write, write_carries, write_workspace
+from kvcanary.ops.write import takes_carries, write, write_carries, write_workspace
 from kvcanary.program import side_branch
 from kvcanary_schema import (
     DEFAULT_SWEEP_SLICE,
@@ -307,7 +307,7 @@ class State:
         self.ext = torch.full((sc.bs,), sc.ext, device=DEV)
         self.sink = Sink.allocate(1024, DEV)
         self.ws = tuple(write_workspace(sc.bs * sc.ext, DEV) if sc.look_back else None for _ in range(2))
-        keep = sc.carries and sc.fp not in ("default", "all")  # no seal (the HEAD write runs before the forward)
+        keep = sc.carries and takes_carries(self.seal, self.fp)  # as the runtime keeps them
         self.carries = write_carries(sc.bs * sc.ext, DEV) if keep else None
         self.keep, self.take = (int(WriteCheck.RECORD_CARRIES), int(WriteCheck.REUSE_CARRIES)) if keep else (0, 0)
         self.plan = torch.zeros(sc.bs, NUM_PLAN_COLS, dtype=torch.int64, device=DEV)

@@ -16,7 +16,15 @@ from kvcanary.ops import hashes as H
 from kvcanary.ops.fingerprint import fingerprint as fp_op
 from kvcanary.ops.plan import plan_forward
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, SourceSpec, TokenPool
-from kvcanary.ops.write import bind_write, powers, write, write_carries, write_target, write_workspace
+from kvcanary.ops.write import (
+    bind_write,
+    powers,
+    takes_carries,
+    write,
+    write_carries,
+    write_target,
+    write_workspace,
+)
 from kvcanary.truth import ChainHasher
 from kvcanary_schema import (
     NO_SLOT,
@@ -684,6 +692,13 @@ def test_carries_are_checked_and_change_no_result_on_cpu() -> None:
             got_rec, got_sink = run_case(case, backend, checks=case.checks | int(bit), carries=carries)
             assert torch.equal(got_rec, want_rec) and ring_rows(got_sink) == ring_rows(want_sink)
             assert torch.equal(got_sink.counters, want_sink.counters) and torch.equal(carries, garbage)
+
+
+def test_the_tail_write_takes_carries_only_without_a_seal_or_all_fingerprints() -> None:
+    src = FingerprintSources([[SourceSpec(torch.zeros(8, 32, dtype=torch.uint8))]], num_slots=8)
+    partial, every = Fingerprint(src, FingerprintMode.PARTIAL), Fingerprint(src, FingerprintMode.ALL)
+    assert takes_carries(None, None) and takes_carries(None, partial)
+    assert not takes_carries(every, partial) and not takes_carries(every, None) and not takes_carries(None, every)
 
 
 def test_write_workspace_is_empty_on_cpu_and_changes_no_result() -> None:

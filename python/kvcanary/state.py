@@ -22,7 +22,7 @@ from kvcanary.adapter import GroupSpec, PoolDescription, TransferBuffer
 from kvcanary.config import CanaryConfig, CoveragePolicy, HalfCoverage, LayerCoverage
 from kvcanary.errors import CanaryInputError
 from kvcanary.ops.types import Fingerprint, FingerprintSources, GroupView, Sink, TokenPool
-from kvcanary.ops.write import write_carries, write_workspace
+from kvcanary.ops.write import takes_carries, write_carries, write_workspace
 
 UPLOAD_ROWS = 5  # rows of CanaryState.truth_rows
 
@@ -52,8 +52,8 @@ class GroupState:
     # per write op (HEAD write or seal, TAIL write): its own look-back workspace (ops.write.write_workspace; cuda
     # backend only, none for the others)
     write_workspaces: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-    # the chain carries the pre stage's HEAD write keeps for the TAIL write (ops.write.write_carries; cuda backend
-    # without a seal only: the seal, the HEAD write then, may run beside the TAIL write)
+    # the chain carries the pre stage's HEAD write keeps for the TAIL write (ops.write.write_carries; cuda backend,
+    # where the TAIL write can take them: ops.write.takes_carries)
     write_carries: torch.Tensor | None = None
 
     @property
@@ -169,7 +169,8 @@ class CanaryState:
             *plan_buffers(stripe), fp, seal, *plan_buffers(reuse),
             write_workspaces=(write_workspace(cfg.token_capacity, d), write_workspace(cfg.token_capacity, d))
             if self.backend == "cuda" else (None, None),
-            write_carries=write_carries(cfg.token_capacity, d) if self.backend == "cuda" and seal is None else None)
+            write_carries=write_carries(cfg.token_capacity, d) if self.backend == "cuda" and takes_carries(seal, fp)
+            else None)
 
     def transfer_buffers(self) -> list[TransferBuffer]:
         """The canary records to send with the KV in a prefill->decode transfer, indexable by slot."""

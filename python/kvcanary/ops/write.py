@@ -86,6 +86,13 @@ def write_carries(max_tokens: int, device: torch.device | str) -> torch.Tensor:
     return torch.zeros(1 + max_tokens, NUM_CARRY_COLS, dtype=torch.int64, device=torch.device(device))
 
 
+def takes_carries(seal: Fingerprint | None, tail_fingerprint: Fingerprint | None) -> bool:
+    """Whether a forward's TAIL write can take the chain carries its HEAD write keeps (docs/ops-contract.md 5): the
+    HEAD write runs before the forward (no seal, which may run beside the TAIL write) and the TAIL write's fingerprint
+    is not ALL (an ALL write scans)."""
+    return seal is None and (tail_fingerprint is None or tail_fingerprint.mode != FingerprintMode.ALL)
+
+
 @dataclass(frozen=True)
 class WriteTarget:
     """Everything of a write but the batch's plan rows and tokens, checked once (:func:`write_target`): the records,
